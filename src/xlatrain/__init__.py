@@ -1,0 +1,20 @@
+"""xlatrain: train an existing PyTorch pipeline on TPU (torch_xla), CUDA or CPU with one call."""
+
+from xlatrain.backend import Backend, BackendUnavailableError, select_backend, spawn
+from xlatrain.checkpoint import load_weights, save_weights
+from xlatrain.config import BackendConfig, TrainConfig
+from xlatrain.train.trainer import Trainer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Backend",
+    "BackendConfig",
+    "BackendUnavailableError",
+    "TrainConfig",
+    "Trainer",
+    "load_weights",
+    "save_weights",
+    "select_backend",
+    "spawn",
+]

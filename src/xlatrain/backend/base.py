@@ -1,0 +1,91 @@
+"""The Backend protocol: everything the Trainer needs from hardware and distribution.
+
+Terms used throughout:
+
+- *replica*: one data-parallel copy of the model; ``world_size`` replicas see disjoint data.
+- *process*: an OS process feeding one or more replicas. Under SPMD one process feeds every local
+  device (``devices_per_process`` > 1); under DDP or one-process-per-chip it feeds one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
+
+import torch
+
+
+class Backend(Protocol):
+    name: str  # "cpu", "cuda" or "xla"
+    device: torch.device
+    world_size: int  # data-parallel replicas in the whole job
+    num_processes: int  # processes in the whole job, each with its own loader
+    process_index: int  # this process, 0 .. num_processes-1
+    devices_per_process: int  # replicas fed by one process (its loader batch = per-device * this)
+
+    @property
+    def is_main(self) -> bool:
+        """True in the one process that prints and writes files."""
+        ...
+
+    def describe(self) -> str:
+        """One line for the console: runtime, device kind and count, distribution mode."""
+        ...
+
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Move the model to the device and wrap it for data parallelism (returns the wrapper)."""
+        ...
+
+    def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The user's module inside whatever prepare_model wrapped it in."""
+        ...
+
+    def wrap_loader(self, loader: Iterable[Any]) -> Iterable[Any]:
+        """Batches on the device, prefetched, sharded over replicas where the runtime shards."""
+        ...
+
+    def autocast(self, precision: str) -> contextlib.AbstractContextManager[Any]:
+        """Mixed-precision context for forward + loss (``"32"``: no-op)."""
+        ...
+
+    def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:
+        """Skip gradient all-reduce for a micro-batch that is not the last of an accumulation."""
+        ...
+
+    def reduce_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """All-reduce gradients where the runtime does not already do it (one process per chip)."""
+        ...
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum of ``tensor`` over processes (identity when one process holds the whole batch)."""
+        ...
+
+    def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Mean over replicas of a per-replica value (identity where it is already global)."""
+        ...
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Concatenate ``tensor`` along dim 0 over processes, in process order."""
+        ...
+
+    def step_end(self) -> None:
+        """Mark the end of one optimizer step (XLA: cut and launch the graph; no wait)."""
+        ...
+
+    def defer(self, fn: Callable[..., None], tensors: Sequence[torch.Tensor]) -> None:
+        """Call ``fn(*host_tensors)`` once the values exist, without stalling the device now."""
+        ...
+
+    def read(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Host copies of ``tensors`` now: a planned sync (epoch end, checkpoint)."""
+        ...
+
+    def barrier(self) -> None:
+        """Wait for every process."""
+        ...
+
+    def seed_everything(self, seed: int) -> None:
+        """Seed Python, NumPy, torch and the device generator."""
+        ...
+

@@ -1,0 +1,190 @@
+"""CPU and CUDA through eager PyTorch; DDP when the process was launched by torchrun."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_map
+
+from xlatrain.backend.errors import BackendUnavailableError
+
+
+def launched_by_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or (
+        "WORLD_SIZE" in os.environ and "RANK" in os.environ and "LOCAL_RANK" in os.environ
+    )
+
+
+class NativeBackend:
+    """Eager CPU or CUDA; one replica per process, DDP over processes started by torchrun."""
+
+    def __init__(self, device_type: str, devices: int | None = None) -> None:
+        if device_type not in ("cpu", "cuda"):
+            raise ValueError(f"NativeBackend runs on 'cpu' or 'cuda', not {device_type!r}")
+        if device_type == "cuda" and not torch.cuda.is_available():
+            raise BackendUnavailableError(
+                "accelerator='cuda' was asked for but torch sees no CUDA device "
+                f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'}, "
+                f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}). "
+                "Use accelerator='auto' to take whatever is present, or 'cpu'."
+            )
+        self.name = device_type
+        distributed = launched_by_torchrun() and int(os.environ.get("WORLD_SIZE", "1")) > 1
+        world = int(os.environ.get("WORLD_SIZE", "1")) if distributed else 1
+        if devices is not None and devices != world:
+            hint = (
+                f"launch it with `torchrun --nproc-per-node {devices} your_script.py`"
+                if devices > 1
+                else "leave devices unset under torchrun"
+            )
+            raise ValueError(
+                f"devices={devices} with accelerator={device_type!r} means {devices} processes, one per "
+                f"device, but this job has {world}: {hint}"
+            )
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if device_type == "cuda":
+            self.device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+        if distributed and not dist.is_initialized():
+            dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+        self._distributed = distributed
+        self.world_size = world
+        self.num_processes = world
+        self.process_index = dist.get_rank() if distributed else 0
+        self.devices_per_process = 1
+        # (event, fn, host tensors) of deferred reads still in flight; CUDA only.
+        self._pending: list[tuple[Any, Callable[..., None], list[torch.Tensor]]] = []
+
+    @property
+    def is_main(self) -> bool:
+        return self.process_index == 0
+
+    def describe(self) -> str:
+        where = torch.cuda.get_device_name(self.device) if self.name == "cuda" else "CPU"
+        mode = f"DDP over {self.world_size} processes" if self._distributed else "single process"
+        return f"{self.name} ({where}), {mode}"
+
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        model = model.to(self.device)
+        if self._distributed:
+            ids = [self.device.index] if self.name == "cuda" else None
+            return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        return model
+
+    def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+    def wrap_loader(self, loader: Iterable[Any]) -> Iterable[Any]:
+        if self.name == "cpu":
+            return loader
+        return _CudaPrefetcher(loader, self.device)
+
+    def autocast(self, precision: str) -> contextlib.AbstractContextManager[Any]:
+        if precision == "bf16":
+            return torch.autocast(device_type=self.name, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            return model.no_sync()
+        return contextlib.nullcontext()
+
+    def reduce_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        pass  # DDP all-reduces in backward
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        if not self._distributed:
+            return tensor
+        out = tensor.detach().clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        return out
+
+    def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.all_reduce_sum(tensor) / self.world_size if self._distributed else tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        if not self._distributed:
+            return tensor
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(parts, tensor.detach().contiguous())
+        return torch.cat(parts)
+
+    def step_end(self) -> None:
+        if self._pending:
+            self._run_ready(wait=False)
+
+    def defer(self, fn: Callable[..., None], tensors: Sequence[torch.Tensor]) -> None:
+        if self.name == "cpu":
+            fn(*[t.detach() for t in tensors])
+            return
+        # Copy into pinned host memory without waiting; run fn once the copy has landed.
+        host = [t.detach().to("cpu", non_blocking=True) for t in tensors]
+        event = torch.cuda.Event()
+        event.record()
+        self._pending.append((event, fn, host))
+
+    def read(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        self._run_ready(wait=True)
+        return [t.detach().cpu() for t in tensors]
+
+    def _run_ready(self, wait: bool) -> None:
+        while self._pending:
+            event, fn, host = self._pending[0]
+            if not wait and not event.query():
+                return
+            event.synchronize()
+            self._pending.pop(0)
+            fn(*host)
+
+    def barrier(self) -> None:
+        if self._distributed:
+            dist.barrier()
+
+    def seed_everything(self, seed: int) -> None:
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+class _CudaPrefetcher:
+    """Copies the next batch to the GPU on a side stream while the current one computes."""
+
+    def __init__(self, loader: Iterable[Any], device: torch.device) -> None:
+        self._loader = loader
+        self._device = device
+
+    def __len__(self) -> int:
+        return len(self._loader)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[Any]:
+        stream = torch.cuda.Stream(self._device)
+        pending = None
+        for batch in self._loader:
+            with torch.cuda.stream(stream):
+                on_device = tree_map(self._copy, batch)
+            copied = stream.record_event()
+            if pending is not None:
+                yield self._ready(*pending)
+            pending = (on_device, copied)
+        if pending is not None:
+            yield self._ready(*pending)
+
+    def _copy(self, t: Any) -> Any:
+        return t.to(self._device, non_blocking=True) if isinstance(t, torch.Tensor) else t
+
+    @staticmethod
+    def _ready(batch: Any, copied: Any) -> Any:
+        current = torch.cuda.current_stream()
+        current.wait_event(copied)
+        # The tensors were allocated on the side stream; tell the allocator they are used here.
+        tree_map(lambda t: t.record_stream(current) if isinstance(t, torch.Tensor) else t, batch)
+        return batch

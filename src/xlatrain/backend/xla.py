@@ -1,0 +1,264 @@
+"""torch_xla: TPUs, and XLA:CPU to rehearse a TPU program without one.
+
+Two ways to run data parallel:
+
+- ``spmd`` (default): one process per host drives every local device. Parameters are replicated,
+  each batch is sharded along dim 0 over a one-axis ``data`` mesh, and the XLA compiler inserts
+  the gradient all-reduce. The loader yields the per-host batch (per-device batch × local devices).
+- ``multiprocess``: one process per chip, started by :func:`spawn` (``xmp.spawn`` underneath);
+  each process feeds one device and gradients are all-reduced with ``xm.reduce_gradients``.
+
+torch_xla is imported only inside this module's functions, so ``import xlatrain`` works without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from xlatrain.backend.errors import BackendUnavailableError
+
+_GOOGLE_PCI_VENDOR = "0x1ae0"
+
+
+def tpu_chip_count() -> int:
+    """TPU chips attached to this host, found on the PCI bus without starting any runtime."""
+    count = 0
+    try:
+        entries = os.listdir("/sys/bus/pci/devices")
+    except OSError:
+        return 0
+    for entry in entries:
+        try:
+            with open(f"/sys/bus/pci/devices/{entry}/vendor") as f:
+                vendor = f.read().strip()
+        except OSError:
+            continue
+        count += vendor == _GOOGLE_PCI_VENDOR
+    return count
+
+
+def tpu_present() -> bool:
+    return os.environ.get("PJRT_DEVICE", "").upper() == "TPU" or tpu_chip_count() > 0
+
+
+def configure_runtime(devices: int | None) -> None:
+    """Choose the PJRT device (and the XLA:CPU device count) before the runtime starts.
+
+    Without a TPU and with ``PJRT_DEVICE`` unset, torch_xla would fall back to CPU with a warning;
+    this makes that choice explicit. ``CPU_NUM_DEVICES`` is what creates N virtual XLA:CPU devices.
+    """
+    import torch_xla
+
+    if torch_xla._XLAC._xla_runtime_is_initialized():
+        return
+    if "PJRT_DEVICE" not in os.environ:
+        os.environ["PJRT_DEVICE"] = "TPU" if tpu_chip_count() > 0 else "CPU"
+    if os.environ["PJRT_DEVICE"].upper() == "CPU":
+        os.environ["CPU_NUM_DEVICES"] = str(devices or int(os.environ.get("CPU_NUM_DEVICES", "1")))
+
+
+def spawn(fn: Callable[..., Any], args: tuple[Any, ...] = (), devices: int | None = None) -> None:
+    """Run ``fn(index, *args)`` once per local chip, the one-process-per-chip way.
+
+    Inside ``fn`` build the Trainer with ``BackendConfig(accelerator="xla", xla_mode="multiprocess")``.
+    torch_xla chooses the process count from the devices present (``nprocs`` other than 1 or None
+    is an error in torch_xla 2.x, so it is never passed).
+    """
+    configure_runtime(devices)
+    import torch_xla.distributed.xla_multiprocessing as xmp
+
+    xmp.spawn(fn, args=args)
+
+
+class XlaBackend:
+    name = "xla"
+
+    def __init__(self, devices: int | None = None, mode: str = "spmd", require_tpu: bool = False) -> None:
+        if mode not in ("spmd", "multiprocess"):
+            raise ValueError(f"xla_mode={mode!r} is not valid: choose 'spmd' or 'multiprocess'")
+        if require_tpu and not tpu_present():
+            raise BackendUnavailableError(
+                "accelerator='tpu' was asked for but this host has no TPU (no Google TPU device on "
+                f"the PCI bus, PJRT_DEVICE={os.environ.get('PJRT_DEVICE', '<unset>')}). Use "
+                "accelerator='xla' with devices=N to rehearse the run on N virtual XLA:CPU devices, "
+                "or accelerator='auto' to take what is present."
+            )
+        configure_runtime(devices)
+        import torch_xla
+        import torch_xla.runtime as xr
+
+        self.mode = mode
+        if mode == "spmd":
+            import torch_xla.distributed.spmd as xs
+
+            xr.use_spmd()
+            found = xr.global_runtime_device_count()
+            self._check_count(devices, found)
+            self._mesh = xs.Mesh(np.arange(found), (found,), ("data",))
+            self.world_size = found
+            self.num_processes = xr.process_count()
+            self.process_index = xr.process_index()
+            self.devices_per_process = xr.addressable_runtime_device_count()
+        else:
+            self._mesh = None
+            self.world_size = xr.world_size()
+            self._check_count(devices, self.world_size)
+            self.num_processes = self.world_size
+            self.process_index = xr.global_ordinal()
+            self.devices_per_process = 1
+        self.device = torch_xla.device()
+        self._device_type = xr.device_type() or "CPU"
+
+    def _check_count(self, asked: int | None, found: int) -> None:
+        if asked is not None and asked != found:
+            raise ValueError(
+                f"devices={asked} but the XLA runtime already runs with {found} "
+                f"{os.environ.get('PJRT_DEVICE', 'XLA')} device(s); this process cannot change it. "
+                f"Use devices={found} or None, or start a new process (on XLA:CPU, set "
+                f"CPU_NUM_DEVICES={asked} before torch_xla starts)."
+            )
+
+    @property
+    def is_main(self) -> bool:
+        return self.process_index == 0
+
+    def describe(self) -> str:
+        how = "SPMD over a 'data' mesh" if self.mode == "spmd" else "one process per device"
+        return f"xla ({self._device_type}, {self.world_size} device(s)), {how}"
+
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        # Parameters on an SPMD device with no sharding annotation are replicated.
+        return model.to(self.device)
+
+    def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model
+
+    def wrap_loader(self, loader: Iterable[Any]) -> Iterable[Any]:
+        import torch_xla.distributed.parallel_loader as pl
+
+        if self._mesh is None:
+            return pl.MpDeviceLoader(loader, self.device)
+        return _ShardedLoader(loader, self.device, self._mesh, minibatch=self.num_processes > 1)
+
+    def autocast(self, precision: str) -> contextlib.AbstractContextManager[Any]:
+        if precision == "bf16":
+            return torch.autocast("xla", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()  # gradients are reduced explicitly or by the compiler
+
+    def reduce_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.mode == "multiprocess" and self.world_size > 1:
+            import torch_xla.core.xla_model as xm
+
+            xm.reduce_gradients(optimizer)
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.mode == "spmd" or self.world_size == 1:
+            return tensor  # one process holds the global value
+        import torch_xla.core.xla_model as xm
+
+        return xm.all_reduce(xm.REDUCE_SUM, tensor)
+
+    def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.mode == "spmd" or self.world_size == 1:
+            return tensor  # a loss over the sharded global batch is already the global mean
+        import torch_xla.core.xla_model as xm
+
+        return xm.all_reduce(xm.REDUCE_SUM, tensor, scale=1.0 / self.world_size)
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.mode == "spmd" or self.world_size == 1:
+            return tensor
+        import torch_xla.core.xla_model as xm
+
+        return xm.all_gather(tensor, dim=0)
+
+    def step_end(self) -> None:
+        import torch_xla
+
+        torch_xla.sync()
+
+    def defer(self, fn: Callable[..., None], tensors: Sequence[torch.Tensor]) -> None:
+        import torch_xla.core.xla_model as xm
+
+        # Runs after the step's graph has executed: one transfer for all tensors, no extra compile.
+        xm.add_step_closure(lambda *ts: fn(*[t.cpu() for t in ts]), args=tuple(tensors))
+
+    def read(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        import torch_xla
+
+        torch_xla.sync()
+        return [t.cpu() for t in tensors]
+
+    def barrier(self) -> None:
+        if self.num_processes > 1:
+            import torch_xla.core.xla_model as xm
+
+            xm.rendezvous("xlatrain.barrier")
+
+    def seed_everything(self, seed: int) -> None:
+        import torch_xla.core.xla_model as xm
+
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        torch.manual_seed(seed)
+        xm.set_rng_state(seed)
+
+
+class _ShardedLoader:
+    """Host batches to the device with dim 0 sharded over the mesh's ``data`` axis.
+
+    torch_xla's loader takes one sharding spec per dict key, so each batch travels as a dict of
+    its flattened tensors (specs sized to each tensor's rank) and is rebuilt on the other side.
+    Transfer runs in torch_xla's background threads, ahead of the step that needs it.
+    """
+
+    def __init__(self, loader: Iterable[Any], device: torch.device, mesh: Any, minibatch: bool) -> None:
+        self._loader = loader
+        self._device = device
+        self._mesh = mesh
+        self._minibatch = minibatch
+
+    def __len__(self) -> int:
+        return len(self._loader)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[Any]:
+        import torch_xla.distributed.parallel_loader as pl
+        import torch_xla.distributed.spmd as xs
+
+        host = iter(self._loader)
+        try:
+            first = next(host)
+        except StopIteration:
+            return
+        leaves, spec = tree_flatten(first)
+        shardings = {
+            str(i): xs.ShardingSpec(self._mesh, ("data",) + (None,) * (t.dim() - 1), minibatch=self._minibatch)
+            for i, t in enumerate(leaves)
+        }
+
+        class _Flat:
+            def __len__(_) -> int:
+                return len(self)
+
+            def __iter__(_) -> Iterator[dict[str, torch.Tensor]]:
+                batch = first
+                while True:
+                    yield {str(i): t for i, t in enumerate(tree_flatten(batch)[0])}
+                    try:
+                        batch = next(host)
+                    except StopIteration:
+                        return
+
+        for flat in pl.MpDeviceLoader(_Flat(), self._device, input_sharding=shardings):
+            yield tree_unflatten([flat[str(i)] for i in range(len(leaves))], spec)

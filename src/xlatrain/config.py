@@ -1,0 +1,131 @@
+"""Run configuration: one frozen dataclass per concern, validated when built.
+
+YAML files (and ``--set key=value`` overrides) only serialise these; every check lives in
+``__post_init__`` so a config built in Python is checked exactly like one read from a file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+ACCELERATORS = ("auto", "tpu", "xla", "cuda", "cpu")
+XLA_MODES = ("spmd", "multiprocess")
+PRECISIONS = ("32", "bf16")
+TASKS = ("auto", "classification", "multilabel", "none")
+MONITOR_MODES = ("max", "min")
+SCHEDULER_INTERVALS = ("epoch", "step")
+
+
+def _choice(name: str, value: Any, valid: tuple[str, ...]) -> None:
+    if value not in valid:
+        raise ValueError(f"{name}={value!r} is not valid: choose one of {', '.join(map(repr, valid))}")
+
+
+def _positive_int(name: str, value: Any, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}={value!r} is not valid: it must be an integer >= {minimum}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BackendConfig:
+    """Where a run executes.
+
+    Attributes:
+        accelerator: ``auto`` (TPU, else CUDA, else CPU), ``tpu``, ``xla`` (torch_xla on whatever
+            PJRT device exists, XLA:CPU without a TPU), ``cuda`` or ``cpu``.
+        devices: devices to use; ``None`` means all. With ``xla`` on a machine without a TPU this
+            is the number of virtual XLA:CPU devices, to rehearse a TPU program on a laptop.
+        xla_mode: ``spmd`` (one process, the global batch sharded over a ``data`` mesh axis) or
+            ``multiprocess`` (one process per chip, started with ``xlatrain.spawn``).
+    """
+
+    accelerator: str = "auto"
+    devices: int | None = None
+    xla_mode: str = "spmd"
+
+    def __post_init__(self) -> None:
+        _choice("accelerator", self.accelerator, ACCELERATORS)
+        _choice("xla_mode", self.xla_mode, XLA_MODES)
+        if self.devices is not None:
+            _positive_int("devices", self.devices)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """How a model is trained and evaluated.
+
+    Attributes:
+        epochs: passes over the training data.
+        batch_size: samples per device per step; the global batch is this times the number of
+            data-parallel devices and is reported at start.
+        eval_batch_size: per-device batch for evaluation and prediction (default: batch_size).
+        scale_lr: multiply every learning rate by the number of devices (linear scaling rule).
+        precision: ``"32"`` or ``"bf16"`` (autocast; weights and optimizer state stay float32).
+        grad_accum_steps: micro-batches per optimizer step.
+        clip_grad_norm: clip the global gradient norm to this value; ``None`` disables clipping.
+        log_every: steps between progress lines; the only per-step-interval host reads.
+        seed: seeds model init order, sampling and shuffling; each epoch reshuffles from it.
+        num_workers: DataLoader worker processes per replica.
+        task: ``classification`` (accuracy), ``multilabel`` (per-label AUC), ``none`` (loss only)
+            or ``auto`` (from the loss: CrossEntropyLoss / BCEWithLogitsLoss).
+        monitor: history column that selects the best weights (default from the task).
+        monitor_mode: ``max`` or ``min`` (default from the monitored name).
+        scheduler_interval: step the scheduler every ``epoch`` or every optimizer ``step``.
+        run_dir: where history, best weights and plots go.
+    """
+
+    epochs: int = 1
+    batch_size: int = 32
+    eval_batch_size: int | None = None
+    scale_lr: bool = False
+    precision: str = "32"
+    grad_accum_steps: int = 1
+    clip_grad_norm: float | None = None
+    log_every: int = 50
+    seed: int = 0
+    num_workers: int = 0
+    task: str = "auto"
+    monitor: str | None = None
+    monitor_mode: str | None = None
+    scheduler_interval: str = "epoch"
+    run_dir: str = "runs/default"
+
+    def __post_init__(self) -> None:
+        _positive_int("epochs", self.epochs)
+        _positive_int("batch_size", self.batch_size)
+        if self.eval_batch_size is not None:
+            _positive_int("eval_batch_size", self.eval_batch_size)
+        _choice("precision", str(self.precision), PRECISIONS)
+        if not isinstance(self.precision, str):
+            object.__setattr__(self, "precision", str(self.precision))
+        _positive_int("grad_accum_steps", self.grad_accum_steps)
+        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
+            raise ValueError(
+                f"clip_grad_norm={self.clip_grad_norm!r} is not valid: use a positive number, "
+                "or None to disable clipping"
+            )
+        _positive_int("log_every", self.log_every)
+        _positive_int("num_workers", self.num_workers, minimum=0)
+        _choice("task", self.task, TASKS)
+        if self.monitor_mode is not None:
+            _choice("monitor_mode", self.monitor_mode, MONITOR_MODES)
+        _choice("scheduler_interval", self.scheduler_interval, SCHEDULER_INTERVALS)
+        if not self.run_dir:
+            raise ValueError("run_dir is empty: give a directory for history and weights")
+
+
+C = TypeVar("C")
+
+
+def from_dict(cls: type[C], values: dict[str, Any]) -> C:
+    """Build a config dataclass from a mapping; an unknown key is an error naming the valid ones."""
+    known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(
+            f"unknown {cls.__name__} key(s) {', '.join(unknown)}: valid keys are {', '.join(sorted(known))}"
+        )
+    return cls(**values)
+

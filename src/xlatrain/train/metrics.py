@@ -1,0 +1,138 @@
+"""Evaluation metrics: summed on the device per batch, read on the host once per evaluation.
+
+Padding rows (see ``data.sampling.EvalSampler``) carry ``valid == False`` and are masked out of
+every sum, so each real sample counts exactly once whatever the batch and device count.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from xlatrain.backend.base import Backend
+
+
+def infer_task(loss_fn: Any) -> str:
+    """``classification`` for cross-entropy, ``multilabel`` for BCE-with-logits, else ``none``."""
+    if isinstance(loss_fn, torch.nn.CrossEntropyLoss) or loss_fn is torch.nn.functional.cross_entropy:
+        return "classification"
+    if isinstance(loss_fn, torch.nn.BCEWithLogitsLoss) or (
+        loss_fn is torch.nn.functional.binary_cross_entropy_with_logits
+    ):
+        return "multilabel"
+    return "none"
+
+
+def default_monitor(task: str) -> tuple[str, str]:
+    return {
+        "classification": ("val_accuracy", "max"),
+        "multilabel": ("val_mean_auc", "max"),
+    }.get(task, ("val_loss", "min"))
+
+
+def per_sample_loss(loss_fn: Any) -> Callable[[Any, Any], torch.Tensor]:
+    """A version of ``loss_fn`` that returns one loss per sample (shape ``[batch]``).
+
+    Needed to mask padded evaluation rows. Works for torch.nn loss modules (their ``reduction``
+    is switched to ``'none'`` on a copy) and for functions taking a ``reduction`` keyword.
+    """
+    if isinstance(loss_fn, torch.nn.Module) and hasattr(loss_fn, "reduction"):
+        unreduced = copy.copy(loss_fn)
+        unreduced.reduction = "none"
+        fn: Callable[[Any, Any], torch.Tensor] = unreduced
+    else:
+        try:
+            params = inspect.signature(loss_fn).parameters
+        except (TypeError, ValueError):
+            params = {}
+        if "reduction" not in params:
+            raise ValueError(
+                f"cannot evaluate with loss_fn={loss_fn!r}: evaluation masks padded rows and needs a "
+                "loss per sample. Pass a torch.nn loss module (e.g. nn.CrossEntropyLoss()) or a "
+                "function that accepts reduction='none'."
+            )
+        fn = functools.partial(loss_fn, reduction="none")
+
+    def per_sample(outputs: Any, targets: Any) -> torch.Tensor:
+        losses = fn(outputs, targets)
+        if losses.dim() == 0:
+            raise ValueError("loss_fn with reduction='none' returned a scalar: it must keep the batch dimension")
+        return losses.float().reshape(losses.shape[0], -1).mean(dim=1)
+
+    return per_sample
+
+
+class EvalAccumulator:
+    """Running sums for one evaluation pass, kept on the device."""
+
+    def __init__(self, task: str, device: torch.device) -> None:
+        self.task = task
+        self.loss_sum = torch.zeros((), device=device)
+        self.count = torch.zeros((), device=device)
+        self.correct = torch.zeros((), device=device)
+        self.probs: list[torch.Tensor] = []
+        self.targets: list[torch.Tensor] = []
+        self.valid: list[torch.Tensor] = []
+
+    def update(self, losses_B: torch.Tensor, outputs: torch.Tensor, targets: torch.Tensor, valid_B: torch.Tensor) -> None:
+        mask_B = valid_B.to(losses_B.dtype)
+        self.loss_sum = self.loss_sum + (losses_B * mask_B).sum()
+        self.count = self.count + mask_B.sum()
+        if self.task == "classification":
+            hit_B = (outputs.argmax(dim=1) == targets) & valid_B
+            self.correct = self.correct + hit_B.sum().to(self.correct.dtype)
+        elif self.task == "multilabel":
+            self.probs.append(torch.sigmoid(outputs.detach().float()))
+            self.targets.append(targets.detach())
+            self.valid.append(valid_B)
+
+    def compute(self, backend: Backend, label_names: Sequence[str] | None = None) -> dict[str, float]:
+        """Reduce over processes, read once, and return host floats."""
+        sums = backend.all_reduce_sum(torch.stack([self.loss_sum, self.count, self.correct]))
+        tensors = [sums]
+        if self.task == "multilabel":
+            tensors += [backend.all_gather(torch.cat(t)) for t in (self.probs, self.targets, self.valid)]
+        host = backend.read(tensors)
+        loss_sum, count, correct = host[0].double().tolist()
+        out = {"loss": loss_sum / count, "num_samples": int(count)}
+        if self.task == "classification":
+            out["accuracy"] = correct / count
+        elif self.task == "multilabel":
+            probs, targets, valid = host[1], host[2], host[3]
+            out.update(multilabel_auc(probs[valid].numpy(), targets[valid].numpy(), label_names))
+        return out
+
+
+def roc_auc(scores: np.ndarray, labels: np.ndarray) -> float:
+    """Area under the ROC curve with ties counted half (Mann-Whitney U); NaN if one class only."""
+    labels = labels.astype(bool)
+    num_pos = int(labels.sum())
+    num_neg = labels.size - num_pos
+    if num_pos == 0 or num_neg == 0:
+        return math.nan
+    order = np.argsort(scores, kind="mergesort")
+    ranks = np.empty(scores.size, dtype=np.float64)
+    sorted_scores = scores[order]
+    # Average ranks over ties.
+    _, first, counts = np.unique(sorted_scores, return_index=True, return_counts=True)
+    avg = first + (counts - 1) / 2.0 + 1.0
+    ranks[order] = np.repeat(avg, counts)
+    return float((ranks[labels].sum() - num_pos * (num_pos + 1) / 2.0) / (num_pos * num_neg))
+
+
+def multilabel_auc(probs: np.ndarray, targets: np.ndarray, label_names: Sequence[str] | None = None) -> dict[str, float]:
+    num_labels = probs.shape[1]
+    names = list(label_names) if label_names is not None else [str(i) for i in range(num_labels)]
+    if len(names) != num_labels:
+        raise ValueError(f"label_names has {len(names)} names but the model outputs {num_labels} labels")
+    aucs = {f"auc_{name}": roc_auc(probs[:, i], targets[:, i]) for i, name in enumerate(names)}
+    defined = [v for v in aucs.values() if not math.isnan(v)]
+    aucs["mean_auc"] = float(np.mean(defined)) if defined else math.nan
+    return aucs
