@@ -85,6 +85,10 @@ class Backend(Protocol):
         """Wait for every process."""
         ...
 
+    def runtime_stats(self) -> dict[str, float]:
+        """Cumulative runtime counters worth a history column (XLA: compilations, host reads)."""
+        ...
+
     def seed_everything(self, seed: int) -> None:
         """Seed Python, NumPy, torch and the device generator."""
         ...

@@ -149,6 +149,9 @@ class NativeBackend:
         if self._distributed:
             dist.barrier()
 
+    def runtime_stats(self) -> dict[str, float]:
+        return {}
+
     def seed_everything(self, seed: int) -> None:
         random.seed(seed)
         np.random.seed(seed % 2**32)

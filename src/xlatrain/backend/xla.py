@@ -55,12 +55,12 @@ def configure_runtime(devices: int | None) -> None:
     Without a TPU and with ``PJRT_DEVICE`` unset, torch_xla would fall back to CPU with a warning;
     this makes that choice explicit. ``CPU_NUM_DEVICES`` is what creates N virtual XLA:CPU devices.
     """
+    if "PJRT_DEVICE" not in os.environ:  # set before torch_xla is imported, which reads it
+        os.environ["PJRT_DEVICE"] = "TPU" if tpu_chip_count() > 0 else "CPU"
     import torch_xla
 
     if torch_xla._XLAC._xla_runtime_is_initialized():
         return
-    if "PJRT_DEVICE" not in os.environ:
-        os.environ["PJRT_DEVICE"] = "TPU" if tpu_chip_count() > 0 else "CPU"
     if os.environ["PJRT_DEVICE"].upper() == "CPU":
         os.environ["CPU_NUM_DEVICES"] = str(devices or int(os.environ.get("CPU_NUM_DEVICES", "1")))
 
@@ -205,6 +205,16 @@ class XlaBackend:
             import torch_xla.core.xla_model as xm
 
             xm.rendezvous("xlatrain.barrier")
+
+    def runtime_stats(self) -> dict[str, float]:
+        import torch_xla.debug.metrics as met
+
+        compile_data = met.metric_data("CompileTime")
+        transfer_data = met.metric_data("TransferFromDeviceTime")
+        return {
+            "xla_compilations": compile_data[0] if compile_data else 0,
+            "xla_host_transfers": transfer_data[0] if transfer_data else 0,
+        }
 
     def seed_everything(self, seed: int) -> None:
         import torch_xla.core.xla_model as xm

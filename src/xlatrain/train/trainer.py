@@ -147,6 +147,7 @@ class Trainer:
                 metrics = self._evaluate(device_val)
                 row.update({f"val_{k}": v for k, v in metrics.items() if k != "num_samples"})
             row["epoch_time_s"] = round(time.perf_counter() - started, 3)
+            row.update(be.runtime_stats())
             if self.scheduler is not None and cfg.scheduler_interval == "epoch":
                 self.scheduler.step()
             if monitor not in row:

@@ -1,0 +1,61 @@
+"""Run the benchmarks and record them: ``python -m benchmarks.run [--only NAME ...]``.
+
+Each entry is a ratio measured side by side in one run. Results merge into
+``benchmarks/results.json`` (entry name -> figures) and a markdown table beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import platform
+import time
+from pathlib import Path
+
+from xlatrain.checkpoint import atomic_write_text
+
+ENTRIES = ["trainer_overhead"]
+
+
+def _markdown(results: dict) -> str:
+    lines = ["# Benchmarks", "", "Written by `make bench`; every ratio is measured side by side in one run.", ""]
+    lines += ["| entry | ratio / key figure | details |", "|---|---|---|"]
+    for name, figures in results.items():
+        if name.startswith("_"):
+            continue
+        key = figures.get("ratio", figures.get("speedup_vs_tutorial", ""))
+        details = ", ".join(f"{k}={v}" for k, v in figures.items() if k not in ("ratio",))
+        lines.append(f"| {name} | {key} | {details} |")
+    meta = results.get("_machine", {})
+    lines += ["", f"Machine: {meta}", ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", default="benchmarks/results.json")
+    parser.add_argument("--only", nargs="*", choices=ENTRIES, default=ENTRIES)
+    args = parser.parse_args()
+    out = Path(args.out)
+    results = json.loads(out.read_text()) if out.is_file() else {}
+    for name in args.only:
+        started = time.perf_counter()
+        figures = importlib.import_module(f"benchmarks.{name}").run()
+        figures["seconds"] = round(time.perf_counter() - started, 1)
+        results[name] = figures
+        print(f"{name}: {json.dumps(figures)}", flush=True)
+    import torch
+
+    results["_machine"] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu_count": __import__("os").cpu_count(),
+        "platform": platform.platform(),
+    }
+    atomic_write_text(out, json.dumps(results, indent=2) + "\n")
+    atomic_write_text(out.with_suffix(".md"), _markdown(results))
+
+
+if __name__ == "__main__":
+    main()

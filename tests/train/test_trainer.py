@@ -1,0 +1,196 @@
+import csv
+import functools
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from xlatrain import TrainConfig, Trainer, load_weights
+from xlatrain.train.metrics import roc_auc
+
+
+def _classification(n, seed=0, dim=6, classes=3):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, dim, generator=g)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long()
+    return TensorDataset(x, y % classes)
+
+
+def _mlp(dim=6, out=3, seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(dim, 16), nn.ReLU(), nn.Linear(16, out))
+
+
+def _trainer(tmp_path, model=None, loss=None, opt=None, **cfg):
+    cfg.setdefault("run_dir", str(tmp_path / "run"))
+    cfg.setdefault("log_every", 1000)
+    return Trainer(
+        model if model is not None else _mlp(),
+        loss if loss is not None else nn.CrossEntropyLoss(),
+        opt or functools.partial(torch.optim.SGD, lr=0.1),
+        config=TrainConfig(**cfg),
+        backend="cpu",
+    )
+
+
+def test_fit_writes_history_and_best_weights_that_reproduce_the_best_epoch(tmp_path, capsys):
+    trainer = _trainer(tmp_path, epochs=4, batch_size=16)
+    history = trainer.fit(_classification(200), _classification(70, seed=1))
+    run = tmp_path / "run"
+    with open(run / "history.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["epoch"]) for r in rows] == [1, 2, 3, 4]
+    assert {"train_loss", "val_loss", "val_accuracy", "lr"} <= set(rows[0])
+    assert json.loads((run / "history.json").read_text()) == history
+    best = max(history, key=lambda r: r["val_accuracy"])
+    fresh = _mlp(seed=123)
+    load_weights(fresh, run / "best.safetensors")
+    check = _trainer(tmp_path, model=fresh, run_dir=str(tmp_path / "check"), batch_size=16)
+    assert check.evaluate(_classification(70, seed=1))["accuracy"] == pytest.approx(best["val_accuracy"])
+    out = capsys.readouterr().out
+    assert "global batch 16 = 16 per device x 1 device(s)" in out
+    assert out.count("epoch 4/4") == 1
+
+
+def test_evaluate_counts_each_sample_once_when_batches_do_not_divide(tmp_path):
+    data = _classification(37, seed=4)
+    trainer = _trainer(tmp_path, batch_size=8)
+    metrics = trainer.evaluate(data)
+    with torch.no_grad():
+        logits = trainer.model(data.tensors[0])
+    assert metrics["num_samples"] == 37
+    assert metrics["loss"] == pytest.approx(F.cross_entropy(logits, data.tensors[1]).item(), rel=1e-6)
+    expected_acc = (logits.argmax(1) == data.tensors[1]).float().mean().item()
+    assert metrics["accuracy"] == pytest.approx(expected_acc)
+
+
+def test_predict_returns_every_row_in_dataset_order(tmp_path):
+    data = _classification(29, seed=5)
+    trainer = _trainer(tmp_path, batch_size=8)
+    preds = trainer.predict(data)
+    with torch.no_grad():
+        assert torch.allclose(preds, trainer.model(data.tensors[0]), atol=1e-6)
+    bare = trainer.predict(data.tensors[0])  # a tensor of inputs is a dataset of bare inputs
+    assert torch.allclose(bare, preds)
+
+
+def test_multilabel_reports_per_label_auc_and_the_mean(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(120, 4, generator=g)
+    y = torch.stack([(x[:, 0] > 0), (x[:, 1] + x[:, 2] > 0)], dim=1).float()
+    train, val = TensorDataset(x[:80], y[:80]), TensorDataset(x[80:], y[80:])
+    trainer = Trainer(
+        _mlp(dim=4, out=2),
+        nn.BCEWithLogitsLoss(),
+        functools.partial(torch.optim.Adam, lr=1e-2),
+        config=TrainConfig(epochs=3, batch_size=16, run_dir=str(tmp_path / "ml"), log_every=1000),
+        backend="cpu",
+        label_names=["pe_present", "central"],
+    )
+    history = trainer.fit(train, val)
+    last = history[-1]
+    probs = torch.sigmoid(trainer.predict(val)).numpy()
+    for i, name in enumerate(["pe_present", "central"]):
+        assert last[f"val_auc_{name}"] == pytest.approx(roc_auc(probs[:, i], y[80:, i].numpy()))
+    assert last["val_mean_auc"] == pytest.approx((last["val_auc_pe_present"] + last["val_auc_central"]) / 2)
+    assert trainer.monitor == "val_mean_auc"
+
+
+def test_roc_auc_matches_the_pairwise_definition_with_ties():
+    scores = torch.tensor([0.1, 0.4, 0.35, 0.8, 0.4, 0.4]).numpy()
+    labels = torch.tensor([0, 0, 1, 1, 1, 0]).numpy()
+    pos, neg = scores[labels == 1], scores[labels == 0]
+    pairs = [(p > n) + 0.5 * (p == n) for p in pos for n in neg]
+    assert roc_auc(scores, labels) == pytest.approx(sum(pairs) / len(pairs))
+
+
+def test_grad_accumulation_equals_the_large_batch(tmp_path):
+    data = _classification(64)
+    big = _trainer(tmp_path, model=_mlp(), batch_size=16, run_dir=str(tmp_path / "a"), seed=3)
+    small = _trainer(tmp_path, model=_mlp(), batch_size=8, grad_accum_steps=2, run_dir=str(tmp_path / "b"), seed=3)
+    big.fit(data)
+    small.fit(data)
+    for p, q in zip(big.model.parameters(), small.model.parameters()):
+        assert torch.allclose(p, q, atol=1e-6)
+
+
+def test_clipping_bounds_the_update(tmp_path):
+    model = _mlp()
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = _trainer(tmp_path, model=model, opt=functools.partial(torch.optim.SGD, lr=1.0), batch_size=64, clip_grad_norm=1e-3)
+    trainer.fit(_classification(64))  # exactly one optimizer step
+    delta = torch.sqrt(sum(((p - b) ** 2).sum() for p, b in zip(model.parameters(), before)))
+    assert 0 < delta <= 1e-3 + 1e-7
+
+
+def test_bf16_autocasts_the_forward_and_keeps_fp32_weights(tmp_path):
+    seen = []
+
+    class Probe(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = _mlp()
+
+        def forward(self, x):
+            out = self.body(x)
+            seen.append(out.dtype)
+            return out
+
+    trainer = _trainer(tmp_path, model=Probe(), batch_size=16, precision="bf16")
+    history = trainer.fit(_classification(64))
+    assert seen and all(d == torch.bfloat16 for d in seen)
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
+    assert history[0]["train_loss"] == history[0]["train_loss"]  # not NaN
+
+
+def test_a_non_scalar_loss_is_a_clear_error(tmp_path):
+    trainer = _trainer(tmp_path, loss=nn.CrossEntropyLoss(reduction="none"), batch_size=8)
+    with pytest.raises(ValueError, match=r"loss_fn must return a scalar tensor, got \(8,\)"):
+        trainer.fit(_classification(32))
+
+
+def test_a_dataset_smaller_than_one_global_batch_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="training set has 10 samples, fewer than one optimizer step"):
+        _trainer(tmp_path, batch_size=16).fit(_classification(10))
+
+
+def test_items_that_are_not_pairs_are_a_clear_error(tmp_path):
+    x = torch.randn(32, 6)
+    with pytest.raises(ValueError, match=r"must be an \(inputs, targets\) pair"):
+        _trainer(tmp_path, batch_size=8).fit(TensorDataset(x, x, x))
+
+
+def test_an_unknown_monitor_names_the_columns(tmp_path):
+    trainer = _trainer(tmp_path, batch_size=8, monitor="val_f1")
+    with pytest.raises(ValueError, match=r"monitor='val_f1' is not a history column; available: .*val_accuracy"):
+        trainer.fit(_classification(32), _classification(10))
+
+
+def test_a_loss_without_per_sample_form_cannot_be_evaluated(tmp_path):
+    trainer = _trainer(tmp_path, loss=lambda out, y: F.cross_entropy(out, y), batch_size=8)
+    with pytest.raises(ValueError, match="needs a loss per sample"):
+        trainer.evaluate(_classification(10))
+
+
+def test_functional_losses_with_a_reduction_argument_evaluate(tmp_path):
+    trainer = _trainer(tmp_path, loss=F.cross_entropy, batch_size=8)
+    assert trainer.task == "classification"
+    assert trainer.evaluate(_classification(10))["num_samples"] == 10
+
+
+def test_step_schedules_and_scale_lr_on_one_device_leave_the_rate(tmp_path, capsys):
+    model = _mlp()
+    trainer = Trainer(
+        model,
+        nn.CrossEntropyLoss(),
+        functools.partial(torch.optim.SGD, lr=0.1),
+        scheduler_fn=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=1, gamma=0.5),
+        config=TrainConfig(epochs=1, batch_size=8, scale_lr=True, scheduler_interval="step", run_dir=str(tmp_path / "s")),
+        backend="cpu",
+    )
+    trainer.fit(_classification(32))  # 4 optimizer steps
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**4)
+    assert "scaled" not in capsys.readouterr().out
