@@ -30,7 +30,7 @@ bench: $(STAMP)
 lock:
 	rm -rf /tmp/xlatrain-lock && $(PYTHON) -m venv /tmp/xlatrain-lock
 	/tmp/xlatrain-lock/bin/pip install --quiet pip==25.3
-	/tmp/xlatrain-lock/bin/pip install --quiet -e '.[xla,dev]'
+	/tmp/xlatrain-lock/bin/pip install --quiet -e '.[xla,dev,bench]'
 	/tmp/xlatrain-lock/bin/pip freeze --exclude-editable | grep -v '^xlatrain' > requirements.lock
 
 clean:

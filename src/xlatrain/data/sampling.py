@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, Sampler
 
+from xlatrain.data.source import train_steps_per_epoch
+
 
 def _check_layout(num_processes: int, process_index: int, loader_batch: int) -> None:
     if not 0 <= process_index < num_processes:
@@ -25,9 +27,7 @@ def _check_layout(num_processes: int, process_index: int, loader_batch: int) -> 
 class TrainSampler(Sampler[int]):
     """A seeded permutation per epoch, cut to whole global batches, split over processes.
 
-    The tail that does not fill a global batch (or a whole gradient-accumulation group of them) is
-    left out of that epoch (each epoch leaves out different samples), so every step has the same
-    shape and nothing recompiles.
+    Steps per epoch follow :func:`~xlatrain.data.source.train_steps_per_epoch` (full batches only).
     """
 
     def __init__(
@@ -42,13 +42,6 @@ class TrainSampler(Sampler[int]):
         step_multiple: int = 1,
     ) -> None:
         _check_layout(num_processes, process_index, loader_batch)
-        global_batch = loader_batch * num_processes
-        if num_samples < global_batch * step_multiple:
-            raise ValueError(
-                f"the training set has {num_samples} samples, fewer than one optimizer step needs: "
-                f"{step_multiple} micro-batch(es) of {global_batch} ({loader_batch} per process x "
-                f"{num_processes} processes). Lower batch_size (or grad_accum_steps), or use more data"
-            )
         self.num_samples = num_samples
         self.loader_batch = loader_batch
         self.num_processes = num_processes
@@ -56,11 +49,15 @@ class TrainSampler(Sampler[int]):
         self.seed = seed
         self.shuffle = shuffle
         self.epoch = 0
-        # Whole accumulation groups only: an optimizer step never mixes two epochs.
-        self.steps_per_epoch = num_samples // global_batch // step_multiple * step_multiple
+        self.start_step = 0
+        self.steps_per_epoch = train_steps_per_epoch(num_samples, loader_batch, num_processes, step_multiple)
 
-    def set_epoch(self, epoch: int) -> None:
+    def set_epoch(self, epoch: int, start_step: int = 0) -> None:
+        """Select the epoch's permutation; ``start_step`` skips the steps already trained."""
+        if not 0 <= start_step <= self.steps_per_epoch:
+            raise ValueError(f"start_step={start_step} is outside 0..{self.steps_per_epoch}")
         self.epoch = epoch
+        self.start_step = start_step
 
     def epoch_order(self) -> torch.Tensor:
         """All sample indices of this epoch in global-batch order (every process computes it)."""
@@ -70,13 +67,13 @@ class TrainSampler(Sampler[int]):
         return torch.randperm(self.num_samples, generator=g)
 
     def __len__(self) -> int:
-        return self.steps_per_epoch * self.loader_batch
+        return (self.steps_per_epoch - self.start_step) * self.loader_batch
 
     def __iter__(self) -> Iterator[int]:
         order = self.epoch_order()
         gb = self.loader_batch * self.num_processes
         lo = self.process_index * self.loader_batch
-        for step in range(self.steps_per_epoch):
+        for step in range(self.start_step, self.steps_per_epoch):
             yield from order[step * gb + lo : step * gb + lo + self.loader_batch].tolist()
 
 

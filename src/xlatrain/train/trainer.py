@@ -21,6 +21,7 @@ from xlatrain.backend import Backend, from_config, select_backend
 from xlatrain.checkpoint import save_weights
 from xlatrain.config import BackendConfig, TrainConfig
 from xlatrain.data.sampling import EvalSampler, PaddedDataset, TrainSampler
+from xlatrain.data.source import BatchSource, train_steps_per_epoch
 from xlatrain.report import write_history
 from xlatrain.train.metrics import EvalAccumulator, default_monitor, infer_task, per_sample_loss
 
@@ -121,12 +122,9 @@ class Trainer:
         """
         cfg, be = self.config, self.backend
         be.seed_everything(cfg.seed)
-        train_loader = self._loader(train_data, train=True)
-        sampler: TrainSampler = train_loader.sampler  # type: ignore[assignment]
-        device_train = be.wrap_loader(train_loader)
-        device_val = be.wrap_loader(self._loader(val_data, train=False)) if val_data is not None else None
+        train_feed = _TrainFeed(self, train_data)
         monitor = self.monitor
-        if device_val is None and monitor.startswith("val_") and self.config.monitor is None:
+        if val_data is None and monitor.startswith("val_") and self.config.monitor is None:
             monitor, self.monitor_mode = "train_loss", "min"
         if be.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -134,17 +132,16 @@ class Trainer:
             f"xlatrain: {be.describe()} | global batch {self.global_batch_size * cfg.grad_accum_steps} = "
             f"{cfg.batch_size} per device x {be.world_size} device(s)"
             + (f" x {cfg.grad_accum_steps} accumulation steps" if cfg.grad_accum_steps > 1 else "")
-            + f" | {sampler.steps_per_epoch // cfg.grad_accum_steps} optimizer steps per epoch"
+            + f" | {train_feed.steps_per_epoch // cfg.grad_accum_steps} optimizer steps per epoch"
             + f" | precision {cfg.precision}"
         )
         best = math.nan
         for epoch in range(1, cfg.epochs + 1):
             started = time.perf_counter()
-            sampler.set_epoch(epoch)
             row: dict[str, Any] = {"epoch": epoch, "lr": self.optimizer.param_groups[0]["lr"]}
-            row["train_loss"] = self._train_epoch(device_train, epoch, sampler.steps_per_epoch)
-            if device_val is not None:
-                metrics = self._evaluate(device_val)
+            row["train_loss"] = self._train_epoch(train_feed.batches(epoch), epoch, train_feed.steps_per_epoch)
+            if val_data is not None:
+                metrics = self.evaluate(val_data)
                 row.update({f"val_{k}": v for k, v in metrics.items() if k != "num_samples"})
             row["epoch_time_s"] = round(time.perf_counter() - started, 3)
             row.update(be.runtime_stats())
@@ -171,7 +168,7 @@ class Trainer:
 
     def evaluate(self, data: Any) -> dict[str, float]:
         """Loss and task metrics over ``data``, every sample counted exactly once."""
-        return self._evaluate(self.backend.wrap_loader(self._loader(data, train=False)))
+        return self._evaluate(self._eval_batches(data)[0])
 
     def predict(self, data: Any) -> torch.Tensor:
         """Model outputs for every item of ``data``, in dataset order, on the host.
@@ -179,21 +176,20 @@ class Trainer:
         Items may be ``(inputs, targets)`` pairs (targets are ignored) or bare inputs.
         """
         be = self.backend
-        loader = self._loader(data, train=False)
-        sampler: EvalSampler = loader.sampler  # type: ignore[assignment]
+        batches, layout = self._eval_batches(data)
         outputs = []
         self.model.eval()
         with torch.no_grad():
-            for item, _valid in be.wrap_loader(loader):
+            for item, _valid in batches:
                 inputs = item[0] if isinstance(item, (list, tuple)) else item
                 with be.autocast(self.config.precision):
                     outputs.append(self.model(inputs).float())
                 be.step_end()
         (gathered,) = be.read([be.all_gather(torch.cat(outputs))])
         # Rows arrive grouped by process; put them back in dataset order and drop padding.
-        order = torch.cat([sampler.indices(p) for p in range(sampler.num_processes)])
-        real = order < sampler.num_samples
-        result = torch.empty((sampler.num_samples, *gathered.shape[1:]), dtype=gathered.dtype)
+        order = torch.cat([layout.indices(p) for p in range(layout.num_processes)])
+        real = order < layout.num_samples
+        result = torch.empty((layout.num_samples, *gathered.shape[1:]), dtype=gathered.dtype)
         result[order[real]] = gathered[real]
         return result
 
@@ -244,26 +240,35 @@ class Trainer:
                 be.step_end()
         return acc.compute(be, self.label_names)
 
-    def _loader(self, dataset: Any, train: bool) -> DataLoader[Any]:
-        cfg, be = self.config, self.backend
-        per_device = cfg.batch_size if train else (cfg.eval_batch_size or cfg.batch_size)
-        loader_batch = per_device * be.devices_per_process
-        layout = {"loader_batch": loader_batch, "num_processes": be.num_processes, "process_index": be.process_index}
-        sampler: TrainSampler | EvalSampler
-        if train:
-            sampler = TrainSampler(len(dataset), seed=cfg.seed, step_multiple=cfg.grad_accum_steps, **layout)
-        else:
-            sampler = EvalSampler(len(dataset), **layout)
-            dataset = PaddedDataset(dataset, len(dataset))
+    def _layout(self, per_device: int) -> dict[str, int]:
+        be = self.backend
+        return {
+            "loader_batch": per_device * be.devices_per_process,
+            "num_processes": be.num_processes,
+            "process_index": be.process_index,
+        }
+
+    def _data_loader(self, dataset: Any, sampler: Any) -> DataLoader[Any]:
+        cfg = self.config
         return DataLoader(
             dataset,
-            batch_size=loader_batch,
+            batch_size=sampler.loader_batch,
             sampler=sampler,
             num_workers=cfg.num_workers,
             persistent_workers=cfg.num_workers > 0,
-            pin_memory=be.name == "cuda",
+            pin_memory=self.backend.name == "cuda",
             generator=torch.Generator().manual_seed(cfg.seed),
         )
+
+    def _eval_batches(self, dataset: Any) -> tuple[Iterable[Any], EvalSampler]:
+        """Device batches ``((inputs, targets), valid)`` and the layout they follow."""
+        layout = self._layout(self.config.eval_batch_size or self.config.batch_size)
+        sampler = EvalSampler(len(dataset), **layout)
+        if isinstance(dataset, BatchSource):
+            host: Iterable[Any] = dataset.eval_batches(**layout)
+        else:
+            host = self._data_loader(PaddedDataset(dataset, len(dataset)), sampler)
+        return self.backend.wrap_loader(host), sampler
 
     def _say(self, message: str) -> None:
         if self.backend.is_main:
@@ -301,3 +306,33 @@ class _Progress:
             )
 
         return show
+
+
+class _TrainFeed:
+    """One epoch of this process's training batches at a time, on the device."""
+
+    def __init__(self, trainer: Trainer, dataset: Any) -> None:
+        cfg = trainer.config
+        self._backend = trainer.backend
+        self._dataset = dataset
+        self._layout = trainer._layout(cfg.batch_size)
+        self._seed = cfg.seed
+        self._step_multiple = cfg.grad_accum_steps
+        self.steps_per_epoch = train_steps_per_epoch(
+            len(dataset), self._layout["loader_batch"], self._layout["num_processes"], cfg.grad_accum_steps
+        )
+        self._sampler: TrainSampler | None = None
+        if not isinstance(dataset, BatchSource):
+            self._sampler = TrainSampler(len(dataset), seed=cfg.seed, step_multiple=cfg.grad_accum_steps, **self._layout)
+            # Built once, so DataLoader workers persist across epochs.
+            self._loader = trainer._data_loader(dataset, self._sampler)
+
+    def batches(self, epoch: int, start_step: int = 0) -> Iterable[Any]:
+        if self._sampler is not None:
+            self._sampler.set_epoch(epoch, start_step)
+            host: Iterable[Any] = self._loader
+        else:
+            host = self._dataset.train_batches(
+                epoch=epoch, start_step=start_step, seed=self._seed, step_multiple=self._step_multiple, **self._layout
+            )
+        return self._backend.wrap_loader(host)
