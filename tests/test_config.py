@@ -39,3 +39,38 @@ def test_configs_are_frozen():
     cfg = TrainConfig()
     with pytest.raises(AttributeError):
         cfg.epochs = 5  # type: ignore[misc]
+
+
+# --- YAML: safe loading and clear errors ------------------------------------------------------
+from xlatrain.config import CheckpointConfig, load_yaml  # noqa: E402
+
+
+def test_yaml_unknown_key_wrong_type_and_range_name_key_value_and_choices():
+    data = load_yaml("trainer:\n  epochs: 3\n  batchsize: 8\n")
+    with pytest.raises(ValueError, match=r"unknown TrainConfig key\(s\) trainer.batchsize: valid keys are .*batch_size"):
+        from_dict(TrainConfig, data["trainer"], section="trainer")
+    with pytest.raises(ValueError, match=r"trainer.epochs='3' has the wrong type: expected int"):
+        from_dict(TrainConfig, {"epochs": "3"}, section="trainer")
+    with pytest.raises(ValueError, match=r"trainer.log_every=True has the wrong type"):
+        from_dict(TrainConfig, {"log_every": True}, section="trainer")
+    with pytest.raises(ValueError, match=r"checkpoint.keep_last=0 is not valid: it must be an integer >= 1"):
+        from_dict(CheckpointConfig, {"keep_last": 0}, section="checkpoint")
+    assert from_dict(TrainConfig, {"clip_grad_norm": 1}).clip_grad_norm == 1  # an int is a valid float
+
+
+def test_yaml_with_tabs_is_a_clear_error():
+    with pytest.raises(ValueError, match="not valid YAML .*spaces, not tabs"):
+        load_yaml("trainer:\n\tepochs: 3\n")
+
+
+def test_yaml_python_tags_are_refused_and_nothing_runs(tmp_path):
+    marker = tmp_path / "ran"
+    text = f"trainer: !!python/object/apply:os.system ['touch {marker}']\n"
+    with pytest.raises(ValueError, match="Python object tags are not allowed"):
+        load_yaml(text)
+    assert not marker.exists()
+
+
+def test_yaml_top_level_must_be_a_mapping():
+    with pytest.raises(ValueError, match="top level must be a mapping"):
+        load_yaml("- 1\n- 2\n")

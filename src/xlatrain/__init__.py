@@ -2,8 +2,8 @@
 
 from xlatrain.backend import Backend, BackendUnavailableError, select_backend, spawn
 from xlatrain.checkpoint import load_weights, save_weights
-from xlatrain.config import BackendConfig, TrainConfig
-from xlatrain.train.trainer import Trainer
+from xlatrain.config import BackendConfig, CheckpointConfig, TrainConfig
+from xlatrain.train.trainer import NonFiniteLossError, Trainer
 
 __version__ = "0.1.0"
 
@@ -11,6 +11,8 @@ __all__ = [
     "Backend",
     "BackendConfig",
     "BackendUnavailableError",
+    "CheckpointConfig",
+    "NonFiniteLossError",
     "TrainConfig",
     "Trainer",
     "load_weights",

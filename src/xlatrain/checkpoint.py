@@ -53,26 +53,30 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
     return atomic_write_bytes(path, text.encode("utf-8"))
 
 
+def distinct_weights(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The module's state, one entry per distinct tensor, plus {alias: kept name}.
+
+    Tied weights (one Parameter reachable under two names) are stored once and re-tied on load.
+    """
+    kept: dict[int, str] = {}
+    distinct: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        first = kept.setdefault(id(tensor), name)
+        if first == name:
+            distinct[name] = tensor.detach()
+        else:
+            aliases[name] = first
+    return distinct, aliases
+
+
 def weights_to_host(
     module: torch.nn.Module, read: Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The module's state on the host, one entry per distinct tensor, plus {alias: kept name}.
-
-    Tied weights (one Parameter reachable under two names) are stored once and re-tied on load;
-    ``read`` is the backend's host read, so all tensors come over in one planned sync.
-    """
-    state = module.state_dict(keep_vars=True)
-    kept: dict[int, str] = {}
-    aliases: dict[str, str] = {}
-    names: list[str] = []
-    for name, tensor in state.items():
-        first = kept.setdefault(id(tensor), name)
-        if first == name:
-            names.append(name)
-        else:
-            aliases[name] = first
-    host = read([state[n].detach() for n in names])
-    return {n: t.contiguous() for n, t in zip(names, host)}, aliases
+    """:func:`distinct_weights` on the host; ``read`` is the backend's read (one planned sync)."""
+    distinct, aliases = distinct_weights(module)
+    host = read(list(distinct.values()))
+    return {n: t.contiguous() for n, t in zip(distinct, host)}, aliases
 
 
 def save_weights(
@@ -106,3 +110,145 @@ def _read_metadata(raw: bytes) -> dict[str, str]:
     header_len = int.from_bytes(raw[:8], "little")
     header = json.loads(raw[8 : 8 + header_len])
     return header.get("__metadata__", {}) or {}
+
+
+# --- resumable checkpoints ------------------------------------------------------------------
+#
+# RUN_DIR/checkpoints/
+#   step-00000123/          one directory per checkpoint, renamed into place when complete
+#     state.safetensors     every tensor (model, optimizer, training sums)
+#     meta.json             everything else, and the sha256 of state.safetensors
+#   latest                  the newest complete checkpoint's name, replaced atomically
+#   .tmp-*                  a save in progress (or one killed mid-way; removed at the next start)
+
+STATE_FILE = "state.safetensors"
+META_FILE = "meta.json"
+LATEST_FILE = "latest"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or does not verify; the message names the path."""
+
+
+def _sha256(data: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _step_of(name: str) -> tuple[int, int]:
+    """Sort key of ``step-00000123`` / ``step-00000123.2`` (a second save at the same step)."""
+    body = name[len("step-") :]
+    step, _, again = body.partition(".")
+    return int(step), int(again or 0)
+
+
+def list_checkpoints(root: str | os.PathLike[str]) -> list[Path]:
+    """Complete checkpoint directories under ``root``, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in root.iterdir():
+        if entry.is_dir() and entry.name.startswith("step-"):
+            try:
+                found.append((_step_of(entry.name), entry))
+            except ValueError:
+                continue
+    return [p for _, p in sorted(found)]
+
+
+def write_checkpoint(root: str | os.PathLike[str], step: int, tensors: dict[str, torch.Tensor], meta: dict) -> Path:
+    """Write one checkpoint directory atomically and point ``latest`` at it.
+
+    On any failure (disk full, permission denied, a kill) the temporary directory is removed
+    where possible, ``latest`` still names the previous checkpoint, and the error says which path
+    failed and why.
+    """
+    import shutil
+
+    root = Path(root)
+    name = f"step-{step:08d}"
+    again = 1
+    while (root / name).exists():
+        name = f"step-{step:08d}.{again}"
+        again += 1
+    tmp = root / f".tmp-{name}-{os.getpid()}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+        blob = st_save(tensors)
+        _write_synced(tmp / STATE_FILE, blob)
+        meta = dict(meta, name=name, files={STATE_FILE: _sha256(blob)})
+        _write_synced(tmp / META_FILE, (json.dumps(meta, indent=1) + "\n").encode())
+        _fsync_dir(tmp)
+        os.rename(tmp, root / name)
+        _fsync_dir(root)
+        atomic_write_text(root / LATEST_FILE, name + "\n")
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        latest = read_latest_name(root)
+        raise CheckpointError(
+            f"could not save checkpoint {root / name}: {exc.strerror or exc} "
+            f"({exc.filename or tmp}); temporary files removed; the latest checkpoint is still "
+            f"{latest or 'none'}. Free disk space or fix permissions on {root}."
+        ) from exc
+    return root / name
+
+
+def read_latest_name(root: Path) -> str | None:
+    try:
+        return (root / LATEST_FILE).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def read_checkpoint(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], dict]:
+    """Load and verify one checkpoint; :class:`CheckpointError` names what is wrong."""
+    path = Path(path)
+    try:
+        meta = json.loads((path / META_FILE).read_text())
+        blob = (path / STATE_FILE).read_bytes()
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"checkpoint {path} is incomplete: {Path(exc.filename).name} is missing") from exc
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {path} has an unreadable {META_FILE}: {exc}") from exc
+    expected = meta.get("files", {}).get(STATE_FILE)
+    if expected != _sha256(blob):
+        raise CheckpointError(f"checkpoint {path}: {STATE_FILE} does not match its checksum (damaged or truncated)")
+    return st_load(blob), meta
+
+
+def find_resumable(root: str | os.PathLike[str]) -> tuple[Path, dict[str, torch.Tensor], dict] | None:
+    """The newest checkpoint under ``root`` that verifies; damaged ones are skipped with a warning."""
+    import warnings
+
+    for path in reversed(list_checkpoints(root)):
+        try:
+            tensors, meta = read_checkpoint(path)
+        except CheckpointError as exc:
+            warnings.warn(f"skipping {exc}; trying the previous checkpoint", stacklevel=2)
+            continue
+        return path, tensors, meta
+    return None
+
+
+def prune_checkpoints(root: str | os.PathLike[str], keep_last: int, keep: set[str]) -> None:
+    """Delete all but the newest ``keep_last`` checkpoints and those named in ``keep``; clear stale temps."""
+    import shutil
+
+    root = Path(root)
+    complete = list_checkpoints(root)
+    for path in complete[: max(0, len(complete) - keep_last)]:
+        if path.name not in keep:
+            shutil.rmtree(path, ignore_errors=True)
+    for entry in root.glob(".tmp-*"):
+        if not entry.name.endswith(f"-{os.getpid()}"):
+            shutil.rmtree(entry, ignore_errors=True)

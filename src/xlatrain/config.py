@@ -16,6 +16,7 @@ PRECISIONS = ("32", "bf16")
 TASKS = ("auto", "classification", "multilabel", "none")
 MONITOR_MODES = ("max", "min")
 SCHEDULER_INTERVALS = ("epoch", "step")
+NAN_POLICIES = ("stop", "skip_step", "ignore")
 
 
 def _choice(name: str, value: Any, valid: tuple[str, ...]) -> None:
@@ -73,7 +74,11 @@ class TrainConfig:
         monitor: history column that selects the best weights (default from the task).
         monitor_mode: ``max`` or ``min`` (default from the monitored name).
         scheduler_interval: step the scheduler every ``epoch`` or every optimizer ``step``.
-        run_dir: where history, best weights and plots go.
+        nan_policy: what a NaN/Inf loss or gradient norm does, found at the next log interval or
+            checkpoint (no per-step read): ``stop`` (raise, naming the step range; the last good
+            checkpoint stays latest), ``skip_step`` (such steps leave weights and optimizer state
+            unchanged, at the cost of a copy of both per step), ``ignore``.
+        run_dir: where history, best weights, checkpoints and plots go.
     """
 
     epochs: int = 1
@@ -90,6 +95,7 @@ class TrainConfig:
     monitor: str | None = None
     monitor_mode: str | None = None
     scheduler_interval: str = "epoch"
+    nan_policy: str = "stop"
     run_dir: str = "runs/default"
 
     def __post_init__(self) -> None:
@@ -112,20 +118,96 @@ class TrainConfig:
         if self.monitor_mode is not None:
             _choice("monitor_mode", self.monitor_mode, MONITOR_MODES)
         _choice("scheduler_interval", self.scheduler_interval, SCHEDULER_INTERVALS)
+        _choice("nan_policy", self.nan_policy, NAN_POLICIES)
         if not self.run_dir:
             raise ValueError("run_dir is empty: give a directory for history and weights")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """When a run saves resumable state (``RUN_DIR/checkpoints/step-NNNNNNNN/``).
+
+    Attributes:
+        every_steps: also save every this many optimizer steps (``None``: only at epoch end).
+        at_epoch_end: save after each epoch's validation.
+        keep_last: checkpoints kept besides the one holding the best monitored value.
+        enabled: ``False`` writes no checkpoints (and a run cannot resume).
+    """
+
+    every_steps: int | None = None
+    at_epoch_end: bool = True
+    keep_last: int = 2
+    enabled: bool = True
+
+    def __post_init__(self) -> None:
+        if self.every_steps is not None:
+            _positive_int("every_steps", self.every_steps)
+        _positive_int("keep_last", self.keep_last)
 
 
 C = TypeVar("C")
 
 
-def from_dict(cls: type[C], values: dict[str, Any]) -> C:
-    """Build a config dataclass from a mapping; an unknown key is an error naming the valid ones."""
-    known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    unknown = sorted(set(values) - known)
+def _type_ok(value: Any, annotation: str) -> bool:
+    """Check a YAML/CLI value against a field annotation written as a string (``int | None``)."""
+    kinds = {"int": int, "float": (int, float), "str": str, "bool": bool, "None": type(None)}
+    for part in (p.strip() for p in annotation.split("|")):
+        kind = kinds.get(part)
+        if kind is None:
+            return True  # a type this check does not model; __post_init__ still validates it
+        if isinstance(value, bool) and part in ("int", "float"):
+            continue  # YAML's `true` is not a number
+        if isinstance(value, kind):
+            return True
+    return False
+
+
+def from_dict(cls: type[C], values: dict[str, Any], section: str | None = None) -> C:
+    """Build a config dataclass from a mapping, checking keys and value types.
+
+    An unknown key is an error naming the valid ones; a value of the wrong type names the key, the
+    value and the expected type. Range and choice checks follow in the class's ``__post_init__``.
+    """
+    where = f"{section}." if section else ""
+    if not isinstance(values, dict):
+        raise ValueError(f"{section or cls.__name__} must be a mapping of keys to values, got {values!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(values) - set(fields))
     if unknown:
         raise ValueError(
-            f"unknown {cls.__name__} key(s) {', '.join(unknown)}: valid keys are {', '.join(sorted(known))}"
+            f"unknown {cls.__name__} key(s) {', '.join(where + k for k in unknown)}: valid keys are "
+            f"{', '.join(sorted(fields))}"
         )
-    return cls(**values)
+    for key, value in values.items():
+        annotation = str(fields[key].type)
+        if not _type_ok(value, annotation):
+            raise ValueError(f"{where}{key}={value!r} has the wrong type: expected {annotation}")
+    try:
+        return cls(**values)
+    except ValueError as exc:
+        raise ValueError(f"{where}{exc}") from None
 
+
+def to_dict(config: Any) -> dict[str, Any]:
+    return dataclasses.asdict(config)
+
+
+def load_yaml(text: str, source: str = "<config>") -> dict[str, Any]:
+    """Parse YAML with the safe loader: plain data only, no tags that construct Python objects."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(text)
+    except yaml.constructor.ConstructorError as exc:
+        raise ValueError(
+            f"{source}: {exc.problem} ({exc.problem_mark}); Python object tags are not allowed in "
+            "configs: write plain values"
+        ) from None
+    except yaml.YAMLError as exc:
+        hint = " (YAML indentation must use spaces, not tabs)" if "\t" in text else ""
+        raise ValueError(f"{source}: not valid YAML{hint}: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{source}: the top level must be a mapping of sections, got {type(data).__name__}")
+    return data

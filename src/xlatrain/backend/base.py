@@ -9,10 +9,13 @@ Terms used throughout:
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import random
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 
@@ -92,4 +95,46 @@ class Backend(Protocol):
     def seed_everything(self, seed: int) -> None:
         """Seed Python, NumPy, torch and the device generator."""
         ...
+
+    def rng_state(self) -> dict[str, Any]:
+        """This process's random generator states as JSON-able data (host and device)."""
+        ...
+
+    def set_rng_state(self, state: dict[str, Any]) -> None:
+        ...
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """``obj`` from every process, in process order (small JSON-able values only)."""
+        ...
+
+    def any_process(self, flag: bool) -> bool:
+        """True on every process if ``flag`` is true on any (host-side; no device sync)."""
+        ...
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode("ascii")
+
+
+def _unb64(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+
+def host_rng_state() -> dict[str, Any]:
+    """Python, NumPy and torch CPU generator states, as JSON-able data."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    return {
+        "python": [version, list(internal), gauss],
+        "numpy": [kind, keys.tolist(), pos, has_gauss, cached],
+        "torch": _b64(torch.get_rng_state()),
+    }
+
+
+def set_host_rng_state(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(_unb64(state["torch"]))
 

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
+from xlatrain.backend.base import _b64, _unb64, host_rng_state, set_host_rng_state
 from xlatrain.backend.errors import BackendUnavailableError
 
 
@@ -56,6 +57,10 @@ class NativeBackend:
             self.device = torch.device("cpu")
         if distributed and not dist.is_initialized():
             dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+        # Host-side agreement (stop requests, RNG states) goes over gloo, so it never syncs a GPU.
+        self._host_group = (
+            dist.new_group(backend="gloo") if distributed and device_type == "cuda" else None
+        )
         self._distributed = distributed
         self.world_size = world
         self.num_processes = world
@@ -156,6 +161,31 @@ class NativeBackend:
         random.seed(seed)
         np.random.seed(seed % 2**32)
         torch.manual_seed(seed)  # also seeds every CUDA device
+
+    def rng_state(self) -> dict[str, Any]:
+        state = host_rng_state()
+        if self.name == "cuda":
+            state["cuda"] = _b64(torch.cuda.get_rng_state(self.device))
+        return state
+
+    def set_rng_state(self, state: dict[str, Any]) -> None:
+        set_host_rng_state(state)
+        if self.name == "cuda" and "cuda" in state:
+            torch.cuda.set_rng_state(_unb64(state["cuda"]), self.device)
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        if not self._distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self._host_group)
+        return out
+
+    def any_process(self, flag: bool) -> bool:
+        if not self._distributed:
+            return flag
+        t = torch.tensor([int(flag)])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._host_group)
+        return bool(t[0])
 
 
 class _CudaPrefetcher:

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from xlatrain.backend.base import host_rng_state, set_host_rng_state
 from xlatrain.backend.errors import BackendUnavailableError
 
 _GOOGLE_PCI_VENDOR = "0x1ae0"
@@ -223,6 +224,32 @@ class XlaBackend:
         np.random.seed(seed % 2**32)
         torch.manual_seed(seed)
         xm.set_rng_state(seed)
+
+    def rng_state(self) -> dict[str, Any]:
+        import torch_xla.core.xla_model as xm
+
+        return {**host_rng_state(), "xla": int(xm.get_rng_state())}
+
+    def set_rng_state(self, state: dict[str, Any]) -> None:
+        import torch_xla.core.xla_model as xm
+
+        set_host_rng_state(state)
+        if "xla" in state:
+            xm.set_rng_state(state["xla"])
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        if self.num_processes == 1:
+            return [obj]
+        import json
+
+        import torch_xla.core.xla_model as xm
+
+        # JSON over torch_xla's rendezvous: nothing received from another process is unpickled.
+        payloads = xm.rendezvous("xlatrain.gather", json.dumps(obj).encode())
+        return [json.loads(p) for p in payloads]
+
+    def any_process(self, flag: bool) -> bool:
+        return any(self.gather_objects(bool(flag)))
 
 
 class _ShardedLoader:

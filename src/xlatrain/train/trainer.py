@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import signal
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -18,15 +21,30 @@ import torch
 from torch.utils.data import DataLoader
 
 from xlatrain.backend import Backend, from_config, select_backend
-from xlatrain.checkpoint import save_weights
-from xlatrain.config import BackendConfig, TrainConfig
+from xlatrain.checkpoint import (
+    find_resumable,
+    list_checkpoints,
+    prune_checkpoints,
+    read_checkpoint,
+    read_latest_name,
+    save_weights,
+    write_checkpoint,
+)
+from xlatrain.config import BackendConfig, CheckpointConfig, TrainConfig
 from xlatrain.data.sampling import EvalSampler, PaddedDataset, TrainSampler
 from xlatrain.data.source import BatchSource, train_steps_per_epoch
 from xlatrain.report import write_history
 from xlatrain.train.metrics import EvalAccumulator, default_monitor, infer_task, per_sample_loss
+from xlatrain.train.state import Cursor
+from xlatrain.train.state import pack as pack_state
+from xlatrain.train.state import unpack
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The loss or gradient norm became NaN/Inf under ``nan_policy="stop"``."""
 
 
 def _split(batch: Any) -> tuple[Any, Any]:
@@ -58,6 +76,7 @@ class Trainer:
             e.g. ``functools.partial(torch.optim.Adam, lr=1e-3)``.
         scheduler_fn: optional, builds an LR scheduler from the optimizer.
         config: a :class:`~xlatrain.config.TrainConfig`.
+        checkpoint: a :class:`~xlatrain.config.CheckpointConfig` (default: at each epoch end).
         backend: a Backend, a BackendConfig, or an accelerator name (``"auto"``, ``"xla"``, ...).
         label_names: names of multilabel outputs, used in per-label metric columns.
 
@@ -75,10 +94,12 @@ class Trainer:
         *,
         scheduler_fn: SchedulerFactory | None = None,
         config: TrainConfig | None = None,
+        checkpoint: CheckpointConfig | None = None,
         backend: Backend | BackendConfig | str = "auto",
         label_names: Sequence[str] | None = None,
     ) -> None:
         self.config = cfg = config or TrainConfig()
+        self.checkpoint = checkpoint or CheckpointConfig()
         if isinstance(backend, str):
             backend = select_backend(backend)
         elif isinstance(backend, BackendConfig):
@@ -104,6 +125,11 @@ class Trainer:
         self.scheduler = scheduler_fn(self.optimizer) if scheduler_fn is not None else None
         self.history: list[dict[str, Any]] = []
         self._eval_loss: Callable[[Any, Any], torch.Tensor] | None = None
+        self._run_dir = Path(cfg.run_dir)
+        self._monitor_now = self.monitor
+        self._nonfinite: tuple[int, int, int, int] | None = None  # set by a deferred read
+        self._best_epoch: int | None = None
+        self._best_checkpoint: str | None = None
 
     # ----------------------------------------------------------------------------------------
     @property
@@ -112,57 +138,60 @@ class Trainer:
 
     @property
     def run_dir(self) -> Path:
-        return Path(self.config.run_dir)
+        """The directory this run writes to (``config.run_dir``, or a new sibling for resume=False)."""
+        return self._run_dir
 
-    def fit(self, train_data: Any, val_data: Any | None = None) -> list[dict[str, Any]]:
+    def fit(self, train_data: Any, val_data: Any | None = None, *, resume: bool | str = "auto") -> list[dict[str, Any]]:
         """Train for ``config.epochs`` epochs, validating after each; returns the history rows.
 
-        Writes ``history.csv`` / ``history.json`` after every epoch and ``best.safetensors``
-        whenever the monitored metric improves.
+        Writes ``history.csv`` / ``history.json`` after every epoch, ``best.safetensors`` whenever
+        the monitored metric improves, and checkpoints per ``checkpoint`` config.
+
+        Args:
+            resume: ``"auto"`` continues from the newest checkpoint in ``run_dir`` that verifies
+                (a fresh start when there is none); a path continues from that checkpoint;
+                ``False`` starts fresh, in a new run directory if ``run_dir`` already holds a run.
         """
         cfg, be = self.config, self.backend
+        self._open_run_dir(resume)
         be.seed_everything(cfg.seed)
-        train_feed = _TrainFeed(self, train_data)
-        monitor = self.monitor
-        if val_data is None and monitor.startswith("val_") and self.config.monitor is None:
-            monitor, self.monitor_mode = "train_loss", "min"
-        if be.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
+        feed = _TrainFeed(self, train_data)
+        self._monitor_now = self.monitor
+        if val_data is None and self.monitor.startswith("val_") and cfg.monitor is None:
+            self._monitor_now, self.monitor_mode = "train_loss", "min"
+        cursor, sums = self._resume(resume)
+        self.history = cursor.history
         self._say(
             f"xlatrain: {be.describe()} | global batch {self.global_batch_size * cfg.grad_accum_steps} = "
             f"{cfg.batch_size} per device x {be.world_size} device(s)"
             + (f" x {cfg.grad_accum_steps} accumulation steps" if cfg.grad_accum_steps > 1 else "")
-            + f" | {train_feed.steps_per_epoch // cfg.grad_accum_steps} optimizer steps per epoch"
-            + f" | precision {cfg.precision}"
+            + f" | {feed.steps_per_epoch // cfg.grad_accum_steps} optimizer steps per epoch"
+            + f" | precision {cfg.precision} | run dir {self.run_dir}"
         )
-        best = math.nan
-        for epoch in range(1, cfg.epochs + 1):
-            started = time.perf_counter()
-            row: dict[str, Any] = {"epoch": epoch, "lr": self.optimizer.param_groups[0]["lr"]}
-            row["train_loss"] = self._train_epoch(train_feed.batches(epoch), epoch, train_feed.steps_per_epoch)
-            if val_data is not None:
-                metrics = self.evaluate(val_data)
-                row.update({f"val_{k}": v for k, v in metrics.items() if k != "num_samples"})
-            row["epoch_time_s"] = round(time.perf_counter() - started, 3)
-            row.update(be.runtime_stats())
-            if self.scheduler is not None and cfg.scheduler_interval == "epoch":
-                self.scheduler.step()
-            if monitor not in row:
-                raise ValueError(
-                    f"monitor={monitor!r} is not a history column; available: {', '.join(row)}"
-                )
-            value = row[monitor]
-            improved = not math.isnan(value) and (
-                math.isnan(best) or (value > best if self.monitor_mode == "max" else value < best)
-            )
-            if improved:
-                best = value
+        first_epoch, start_step = cursor.next_position()
+        with _StopSignals() as stop:
+            for epoch in range(first_epoch, cfg.epochs + 1):
+                started = time.perf_counter()
+                cursor.epoch, cursor.step, cursor.epoch_done = epoch, start_step, False
+                lr = self.optimizer.param_groups[0]["lr"]
+                train_loss = self._train_epoch(feed, cursor, sums, stop)
+                row: dict[str, Any] = {"epoch": epoch, "lr": lr, "train_loss": train_loss}
+                if val_data is not None:
+                    metrics = self.evaluate(val_data)
+                    row.update({f"val_{k}": v for k, v in metrics.items() if k != "num_samples"})
+                row["epoch_time_s"] = round(time.perf_counter() - started, 3)
+                row.update(be.runtime_stats())
+                if self.scheduler is not None and cfg.scheduler_interval == "epoch":
+                    self.scheduler.step()
+                improved = self._track_best(row, cursor)
+                self.history.append(row)
+                cursor.epoch_done, start_step = True, 0
+                sums = self._new_sums()
                 if be.is_main:
-                    save_weights(be.unwrap(self.model), self.run_dir / "best.safetensors", read=be.read)
-            self.history.append(row)
-            if be.is_main:
-                write_history(self.run_dir, self.history)
-            self._say(_epoch_line(row, cfg.epochs, monitor, improved))
+                    write_history(self.run_dir, self.history)
+                if self.checkpoint.enabled and self.checkpoint.at_epoch_end:
+                    self._save_checkpoint(cursor, sums)
+                self._say(_epoch_line(row, cfg.epochs, self._monitor_now, improved))
         be.barrier()
         return self.history
 
@@ -194,13 +223,16 @@ class Trainer:
         return result
 
     # ----------------------------------------------------------------------------------------
-    def _train_epoch(self, loader: Iterable[Any], epoch: int, num_steps: int) -> float:
+    def _train_epoch(self, feed: _TrainFeed, cursor: Cursor, sums: dict[str, torch.Tensor], stop: _StopSignals) -> float:
+        """Train ``cursor.epoch`` from ``cursor.step``; ``sums`` hold the epoch's loss so far."""
         cfg, be, model, opt = self.config, self.backend, self.model, self.optimizer
-        accum = cfg.grad_accum_steps
+        accum, num_steps = cfg.grad_accum_steps, feed.steps_per_epoch
+        guard = cfg.nan_policy == "skip_step"
+        check_norm = guard or cfg.clip_grad_norm is not None
         model.train()
-        loss_sum = torch.zeros((), device=be.device)
-        progress = _Progress(self, epoch, num_steps)
-        for step, batch in enumerate(loader, start=1):
+        progress = _Progress(self, cursor.epoch, num_steps, cursor.step)
+        every = self.checkpoint.every_steps if self.checkpoint.enabled else None
+        for step, batch in enumerate(feed.batches(cursor.epoch, cursor.step), start=cursor.step + 1):
             inputs, targets = _split(batch)
             last_micro = step % accum == 0
             with contextlib.nullcontext() if last_micro else be.no_sync(model):
@@ -209,20 +241,142 @@ class Trainer:
                     loss = self.loss_fn(outputs, targets)
                 _check_scalar(loss)
                 (loss / accum if accum > 1 else loss).backward()
+            loss = loss.detach().float()
+            finite = torch.isfinite(loss)
             if last_micro:
                 be.reduce_gradients(opt)
-                if cfg.clip_grad_norm is not None:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
-                opt.step()
+                if check_norm:
+                    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm or math.inf)
+                    finite = finite & torch.isfinite(norm)
+                if guard:
+                    _guarded_step(opt, finite)
+                else:
+                    opt.step()
                 opt.zero_grad(set_to_none=True)
                 if self.scheduler is not None and cfg.scheduler_interval == "step":
                     self.scheduler.step()
-            loss_sum = loss_sum + loss.detach().float()
+                cursor.global_step += 1
+            sums["loss"] = sums["loss"] + (torch.where(finite, loss, 0.0) if guard else loss)
+            sums["nonfinite"] = sums["nonfinite"] + (~finite).float()
             be.step_end()
+            cursor.step = step
             if step % cfg.log_every == 0 and step < num_steps:
-                be.defer(progress.report(step), [be.all_reduce_mean(loss_sum)])
-        (total,) = be.read([be.all_reduce_mean(loss_sum)])
-        return float(total) / num_steps
+                be.defer(progress.report(step), [be.all_reduce_mean(sums["loss"]), sums["nonfinite"]])
+            if self._nonfinite is not None:
+                self._fail_nonfinite()
+            if not last_micro:
+                continue
+            # Agreeing on a stop is a host collective when there are several processes, so it
+            # happens at log intervals there; a single process checks every step for free.
+            if (be.num_processes == 1 or step % cfg.log_every < accum) and be.any_process(stop.requested):
+                self._preempt(cursor, sums, stop)
+            if every is not None and cursor.global_step % every == 0 and step < num_steps:
+                self._save_checkpoint(cursor, sums)
+        loss_sum, bad = be.read([be.all_reduce_mean(sums["loss"]), sums["nonfinite"]])
+        self._check_nonfinite(float(bad), cursor.epoch, 1, num_steps)
+        good_steps = num_steps - float(bad) if guard else num_steps
+        return float(loss_sum) / max(good_steps, 1)
+
+    # --- checkpoints, resume, preemption, numerical faults ------------------------------------
+    def _new_sums(self) -> dict[str, torch.Tensor]:
+        device = self.backend.device
+        return {"loss": torch.zeros((), device=device), "nonfinite": torch.zeros((), device=device)}
+
+    def _open_run_dir(self, resume: bool | str) -> None:
+        """``resume=False`` never writes into an existing run: it picks ``run_dir-2``, ``-3``, ..."""
+        base = Path(self.config.run_dir)
+        if resume is False and _holds_a_run(base):
+            n = 2
+            while _holds_a_run(base.with_name(f"{base.name}-{n}")):
+                n += 1
+            self._run_dir = base.with_name(f"{base.name}-{n}")
+            self._say(f"{base} holds an earlier run; resume=False starts this one in {self._run_dir}")
+        else:
+            self._run_dir = base
+        if self.backend.is_main:
+            self._run_dir.mkdir(parents=True, exist_ok=True)
+
+    def _resume(self, resume: bool | str) -> tuple[Cursor, dict[str, torch.Tensor]]:
+        be = self.backend
+        cursor, sums = Cursor(), self._new_sums()
+        if resume is False:
+            return cursor, sums
+        if resume == "auto":
+            found = find_resumable(self.run_dir / "checkpoints")
+            if found is None:
+                return cursor, sums
+            path, tensors, meta = found
+        else:
+            path = Path(resume)
+            tensors, meta = read_checkpoint(path)
+        cursor, loaded, rng = unpack(
+            tensors, meta, model=be.unwrap(self.model), optimizer=self.optimizer, scheduler=self.scheduler, device=be.device
+        )
+        sums.update(loaded)
+        be.set_rng_state(rng[be.process_index % len(rng)])
+        epoch, step = cursor.next_position()
+        self._say(f"resumed from {path}: continuing at epoch {epoch}, step {step} (optimizer step {cursor.global_step})")
+        return cursor, sums
+
+    def _save_checkpoint(self, cursor: Cursor, sums: dict[str, torch.Tensor]) -> Path | None:
+        be = self.backend
+        rng = be.gather_objects(be.rng_state())  # every process's generators, for exact resume
+        if not be.is_main:
+            return None
+        tensors, meta = pack_state(
+            model=be.unwrap(self.model), optimizer=self.optimizer, scheduler=self.scheduler, sums=sums,
+            cursor=cursor, rng_states=rng, config=self.config, read=be.read,
+        )
+        # A non-finite loss since the last check must not become the latest checkpoint.
+        self._check_nonfinite(float(tensors["sums.nonfinite"]), cursor.epoch, 1, cursor.step)
+        root = self.run_dir / "checkpoints"
+        path = write_checkpoint(root, cursor.global_step, tensors, meta)
+        if cursor.epoch_done and self._best_epoch == cursor.epoch:
+            self._best_checkpoint = path.name
+        prune_checkpoints(root, self.checkpoint.keep_last, keep={self._best_checkpoint} - {None})
+        return path
+
+    def _preempt(self, cursor: Cursor, sums: dict[str, torch.Tensor], stop: _StopSignals) -> None:
+        path = self._save_checkpoint(cursor, sums) if self.checkpoint.enabled else None
+        if self.backend.is_main:
+            write_history(self.run_dir, self.history)
+        self.backend.barrier()
+        name = signal.Signals(stop.signum).name if stop.signum else "stop request"
+        self._say(
+            f"{name}: stopped after epoch {cursor.epoch} step {cursor.step}"
+            + (f"; checkpoint {path}" if path else "")
+            + ". Run the same command again to resume (resume='auto')."
+        )
+        raise SystemExit(0 if stop.signum == signal.SIGTERM else 128 + (stop.signum or 0))
+
+    def _check_nonfinite(self, bad: float, epoch: int, first: int, last: int) -> None:
+        if bad > 0 and self.config.nan_policy == "stop":
+            self._nonfinite = (epoch, first, last, int(bad))
+            self._fail_nonfinite()
+
+    def _fail_nonfinite(self) -> None:
+        epoch, first, last, count = self._nonfinite or (0, 0, 0, 0)
+        latest = read_latest_name(self.run_dir / "checkpoints")
+        raise NonFiniteLossError(
+            f"the loss or gradient norm was NaN/Inf in {count} step(s) between steps {first} and "
+            f"{last} of epoch {epoch}; nothing after the last good checkpoint was saved "
+            f"(latest: {latest or 'none'}). Lower the learning rate, set clip_grad_norm, check the "
+            "inputs, or set nan_policy='skip_step'."
+        )
+
+    def _track_best(self, row: dict[str, Any], cursor: Cursor) -> bool:
+        monitor = self._monitor_now
+        if monitor not in row:
+            raise ValueError(f"monitor={monitor!r} is not a history column; available: {', '.join(row)}")
+        value, best = row[monitor], cursor.best
+        improved = not math.isnan(value) and (
+            math.isnan(best) or (value > best if self.monitor_mode == "max" else value < best)
+        )
+        if improved:
+            cursor.best, self._best_epoch = value, row["epoch"]
+            if self.backend.is_main:
+                save_weights(self.backend.unwrap(self.model), self.run_dir / "best.safetensors", read=self.backend.read)
+        return improved
 
     def _evaluate(self, loader: Iterable[Any]) -> dict[str, float]:
         be = self.backend
@@ -288,24 +442,81 @@ def _epoch_line(row: dict[str, Any], epochs: int, monitor: str, improved: bool) 
 class _Progress:
     """Progress lines built inside deferred reads, so the step loop never waits for the device."""
 
-    def __init__(self, trainer: Trainer, epoch: int, num_steps: int) -> None:
+    def __init__(self, trainer: Trainer, epoch: int, num_steps: int, start_step: int) -> None:
         self._trainer = trainer
         self._epoch = epoch
         self._num_steps = num_steps
-        self._last_step = 0
+        self._last_step = start_step
         self._last_time = time.perf_counter()
 
-    def report(self, step: int) -> Callable[[torch.Tensor], None]:
-        def show(mean_loss_sum: torch.Tensor) -> None:
+    def report(self, step: int) -> Callable[[torch.Tensor, torch.Tensor], None]:
+        first = self._last_step + 1
+
+        def show(mean_loss_sum: torch.Tensor, nonfinite: torch.Tensor) -> None:
             now = time.perf_counter()
             rate = (step - self._last_step) * self._trainer.global_batch_size / max(now - self._last_time, 1e-9)
             self._last_step, self._last_time = step, now
+            bad = float(nonfinite)
+            if bad > 0 and self._trainer.config.nan_policy == "stop":
+                # Raised by the training loop right after this read, not inside the runtime's callback.
+                self._trainer._nonfinite = (self._epoch, first, step, int(bad))
             self._trainer._say(
                 f"  epoch {self._epoch} step {step}/{self._num_steps}  "
                 f"loss {float(mean_loss_sum) / step:.4f}  {rate:,.0f} samples/s"
+                + (f"  ({int(bad)} non-finite steps)" if bad > 0 else "")
             )
 
         return show
+
+
+def _holds_a_run(path: Path) -> bool:
+    return (path / "history.json").exists() or bool(list_checkpoints(path / "checkpoints"))
+
+
+@torch.no_grad()
+def _guarded_step(optimizer: torch.optim.Optimizer, finite: torch.Tensor) -> None:
+    """``optimizer.step()`` that leaves parameters and optimizer state unchanged when ``finite``
+    is false, decided on the device (a copy of both per step; no host read)."""
+    tensors = [p for g in optimizer.param_groups for p in g["params"]]
+    tensors += [
+        v for st in optimizer.state.values() for v in st.values()
+        if isinstance(v, torch.Tensor) and v.device == finite.device and v.dim() > 0
+    ]
+    before = [t.detach().clone() for t in tensors]
+    optimizer.step()
+    for t, old in zip(tensors, before):
+        t.copy_(torch.where(finite, t, old))
+
+
+class _StopSignals:
+    """SIGTERM / SIGINT ask the loop to stop after the current step; a second one exits at once.
+
+    Only the main thread can install handlers; elsewhere (e.g. a notebook's worker thread) the
+    run keeps Python's defaults.
+    """
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum is not None:
+            os._exit(128 + signum)  # files are written atomically: nothing is left torn
+        self.signum = signum
+
+    def __enter__(self) -> _StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 class _TrainFeed:

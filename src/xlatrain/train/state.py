@@ -1,0 +1,146 @@
+"""Everything a run needs to continue exactly: packed into tensors + JSON, and back.
+
+Tensors (model, optimizer state, the epoch's running sums) go to safetensors; the rest (optimizer
+hyper-parameters, scheduler, RNG states of every process, the cursor, history, config, versions)
+to JSON. Nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import platform
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from xlatrain.checkpoint import distinct_weights
+
+FORMAT_VERSION = 1
+
+
+@dataclass
+class Cursor:
+    """Where a run stands: ``step`` micro-batches of ``epoch`` are done (``epoch_done``: all of it,
+    validation and history row included)."""
+
+    epoch: int = 1
+    step: int = 0
+    global_step: int = 0  # optimizer steps since the start of the run
+    epoch_done: bool = False
+    best: float = math.nan
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+    def next_position(self) -> tuple[int, int]:
+        """(epoch, step) the training loop continues from."""
+        return (self.epoch + 1, 0) if self.epoch_done else (self.epoch, self.step)
+
+
+def _versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    for dist in ("xlatrain", "torch_xla"):
+        try:
+            out[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+def _jsonable(name: str, value: Any) -> Any:
+    try:
+        json.dumps(value)
+    except TypeError as exc:
+        raise ValueError(
+            f"{name} holds values that cannot be saved as JSON ({exc}); checkpoints never pickle. "
+            "Use a scheduler/optimizer whose state_dict holds numbers, strings and tensors only."
+        ) from None
+    return value
+
+
+def pack(
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    sums: dict[str, torch.Tensor],
+    cursor: Cursor,
+    rng_states: list[dict[str, Any]],
+    config: Any,
+    read: Callable[[Sequence[torch.Tensor]], list[torch.Tensor]],
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Collect the run's state; ``read`` brings every device tensor to the host in one planned sync."""
+    opt_state = optimizer.state_dict()
+    device_tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for index, per_param in opt_state["state"].items():
+        for key, value in per_param.items():
+            if isinstance(value, torch.Tensor):
+                device_tensors[f"optim.{index}.{key}"] = value.detach()
+            else:
+                scalars.setdefault(str(index), {})[key] = value
+    for key, value in sums.items():
+        device_tensors[f"sums.{key}"] = value.detach()
+
+    # One read for weights, optimizer state and sums together.
+    weights, aliases = distinct_weights(model)
+    names = list(weights) + list(device_tensors)
+    host = read(list(weights.values()) + list(device_tensors.values()))
+    tensors = {(f"model.{n}" if i < len(weights) else n): t.contiguous() for i, (n, t) in enumerate(zip(names, host))}
+
+    meta = {
+        "format": FORMAT_VERSION,
+        "cursor": {k: v for k, v in dataclasses.asdict(cursor).items() if k != "history"},
+        "history": cursor.history,
+        "model_aliases": aliases,
+        "optimizer": {
+            "param_groups": _jsonable("optimizer param_groups", opt_state["param_groups"]),
+            "scalars": _jsonable("optimizer state", scalars),
+        },
+        "scheduler": _jsonable("scheduler state", scheduler.state_dict()) if scheduler is not None else None,
+        "rng": rng_states,
+        "config": dataclasses.asdict(config),
+        "versions": _versions(),
+    }
+    if math.isnan(cursor.best):
+        meta["cursor"]["best"] = None
+    return tensors, meta
+
+
+def unpack(
+    tensors: dict[str, torch.Tensor],
+    meta: dict[str, Any],
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    device: torch.device,
+) -> tuple[Cursor, dict[str, torch.Tensor], list[dict[str, Any]]]:
+    """Load state into the live objects; returns the cursor, the running sums and RNG states."""
+    if meta.get("format") != FORMAT_VERSION:
+        raise ValueError(f"checkpoint format {meta.get('format')!r} is not supported (expected {FORMAT_VERSION})")
+    weights = {k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}
+    for alias, kept in meta["model_aliases"].items():
+        weights[alias] = weights[kept]
+    model.load_state_dict(weights)
+
+    state: dict[int, dict[str, Any]] = {}
+    for key, value in tensors.items():
+        if key.startswith("optim."):
+            _, index, name = key.split(".", 2)
+            state.setdefault(int(index), {})[name] = value
+    for index, values in meta["optimizer"]["scalars"].items():
+        state.setdefault(int(index), {}).update(values)
+    optimizer.load_state_dict({"state": state, "param_groups": meta["optimizer"]["param_groups"]})
+    if scheduler is not None and meta["scheduler"] is not None:
+        scheduler.load_state_dict(meta["scheduler"])
+
+    sums = {k[len("sums.") :]: v.to(device) for k, v in tensors.items() if k.startswith("sums.")}
+    raw = dict(meta["cursor"])
+    raw["best"] = math.nan if raw.get("best") is None else raw["best"]
+    cursor = Cursor(**raw, history=list(meta["history"]))
+    return cursor, sums, list(meta["rng"])
