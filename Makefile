@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: venv test demo bench lock clean
+.PHONY: venv test stress demo bench lock clean
 
 venv: $(STAMP)
 
@@ -19,6 +19,10 @@ $(STAMP): requirements.lock pyproject.toml
 # pytest exits 5 when it collected nothing; that is a failure here, not a pass.
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The kill -9 fault-injection test with 200 trials instead of make test's 20.
+stress: $(STAMP)
+	XLATRAIN_KILL_TRIALS=200 $(BIN)/python -m pytest -s -k kill_9 tests/train/test_resume.py
 
 demo: $(STAMP)
 	$(BIN)/xlatrain demo --run-dir runs/demo

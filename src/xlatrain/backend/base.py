@@ -72,6 +72,16 @@ class Backend(Protocol):
         """Concatenate ``tensor`` along dim 0 over processes, in process order."""
         ...
 
+    def step_begin(self, seed: int) -> None:
+        """Start a training micro-step whose device randomness derives from ``seed`` alone.
+
+        XLA keeps its generator state inside the compiled program, where a checkpoint cannot
+        capture it mid-epoch; re-seeding it from (run seed, epoch, step) makes dropout masks a
+        function of the position, so a resumed run draws exactly what an uninterrupted one did.
+        Eager backends restore their generators from the checkpoint instead (no-op here).
+        """
+        ...
+
     def step_end(self) -> None:
         """Mark the end of one optimizer step (XLA: cut and launch the graph; no wait)."""
         ...

@@ -123,6 +123,9 @@ class NativeBackend:
         dist.all_gather(parts, tensor.detach().contiguous())
         return torch.cat(parts)
 
+    def step_begin(self, seed: int) -> None:
+        pass  # eager generators are saved and restored with the checkpoint
+
     def step_end(self) -> None:
         if self._pending:
             self._run_ready(wait=False)

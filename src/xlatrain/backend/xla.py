@@ -184,6 +184,12 @@ class XlaBackend:
 
         return xm.all_gather(tensor, dim=0)
 
+    def step_begin(self, seed: int) -> None:
+        import torch_xla.core.xla_model as xm
+
+        # The seed enters the graph as device data, not a constant: no recompilation.
+        xm.set_rng_state(seed)
+
     def step_end(self) -> None:
         import torch_xla
 

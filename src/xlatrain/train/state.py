@@ -1,8 +1,8 @@
 """Everything a run needs to continue exactly: packed into tensors + JSON, and back.
 
-Tensors (model, optimizer state, the epoch's running sums) go to safetensors; the rest (optimizer
-hyper-parameters, scheduler, RNG states of every process, the cursor, history, config, versions)
-to JSON. Nothing is pickled.
+Tensors (model, optimizer state) go to safetensors; the rest (optimizer hyper-parameters,
+scheduler, RNG states and running loss sums of every process, the cursor, history, config,
+versions) to JSON. Nothing is pickled.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def pack(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: Any,
-    sums: dict[str, torch.Tensor],
+    sums_per_process: list[dict[str, float]],
     cursor: Cursor,
     rng_states: list[dict[str, Any]],
     config: Any,
@@ -83,10 +83,8 @@ def pack(
                 device_tensors[f"optim.{index}.{key}"] = value.detach()
             else:
                 scalars.setdefault(str(index), {})[key] = value
-    for key, value in sums.items():
-        device_tensors[f"sums.{key}"] = value.detach()
 
-    # One read for weights, optimizer state and sums together.
+    # One read for weights and optimizer state together.
     weights, aliases = distinct_weights(model)
     names = list(weights) + list(device_tensors)
     host = read(list(weights.values()) + list(device_tensors.values()))
@@ -103,6 +101,8 @@ def pack(
         },
         "scheduler": _jsonable("scheduler state", scheduler.state_dict()) if scheduler is not None else None,
         "rng": rng_states,
+        # Each process's running sums of the epoch (float32 values, exact as JSON floats).
+        "sums": sums_per_process,
         "config": dataclasses.asdict(config),
         "versions": _versions(),
     }
@@ -118,9 +118,8 @@ def unpack(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: Any,
-    device: torch.device,
-) -> tuple[Cursor, dict[str, torch.Tensor], list[dict[str, Any]]]:
-    """Load state into the live objects; returns the cursor, the running sums and RNG states."""
+) -> tuple[Cursor, list[dict[str, float]], list[dict[str, Any]]]:
+    """Load state into the live objects; returns the cursor, per-process running sums and RNG states."""
     if meta.get("format") != FORMAT_VERSION:
         raise ValueError(f"checkpoint format {meta.get('format')!r} is not supported (expected {FORMAT_VERSION})")
     weights = {k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}
@@ -139,8 +138,7 @@ def unpack(
     if scheduler is not None and meta["scheduler"] is not None:
         scheduler.load_state_dict(meta["scheduler"])
 
-    sums = {k[len("sums.") :]: v.to(device) for k, v in tensors.items() if k.startswith("sums.")}
     raw = dict(meta["cursor"])
     raw["best"] = math.nan if raw.get("best") is None else raw["best"]
     cursor = Cursor(**raw, history=list(meta["history"]))
-    return cursor, sums, list(meta["rng"])
+    return cursor, list(meta["sums"]), list(meta["rng"])

@@ -235,6 +235,7 @@ class Trainer:
         for step, batch in enumerate(feed.batches(cursor.epoch, cursor.step), start=cursor.step + 1):
             inputs, targets = _split(batch)
             last_micro = step % accum == 0
+            be.step_begin(((cfg.seed * 1_000_003 + cursor.epoch) * 1_000_003 + step) % 2**62)
             with contextlib.nullcontext() if last_micro else be.no_sync(model):
                 with be.autocast(cfg.precision):
                     outputs = model(inputs)
@@ -309,26 +310,35 @@ class Trainer:
         else:
             path = Path(resume)
             tensors, meta = read_checkpoint(path)
-        cursor, loaded, rng = unpack(
-            tensors, meta, model=be.unwrap(self.model), optimizer=self.optimizer, scheduler=self.scheduler, device=be.device
+        cursor, per_process_sums, rng = unpack(
+            tensors, meta, model=be.unwrap(self.model), optimizer=self.optimizer, scheduler=self.scheduler
         )
-        sums.update(loaded)
-        be.set_rng_state(rng[be.process_index % len(rng)])
+        if len(rng) != be.num_processes:
+            raise ValueError(
+                f"checkpoint {path} was written by {len(rng)} process(es) but this run has "
+                f"{be.num_processes}: resume with the same process count, or start fresh (resume=False)"
+            )
+        mine = per_process_sums[be.process_index]
+        sums = {k: torch.tensor(v, dtype=torch.float32).to(be.device) for k, v in mine.items()}
+        be.set_rng_state(rng[be.process_index])
         epoch, step = cursor.next_position()
         self._say(f"resumed from {path}: continuing at epoch {epoch}, step {step} (optimizer step {cursor.global_step})")
         return cursor, sums
 
     def _save_checkpoint(self, cursor: Cursor, sums: dict[str, torch.Tensor]) -> Path | None:
         be = self.backend
-        rng = be.gather_objects(be.rng_state())  # every process's generators, for exact resume
+        # Every process's generators and running sums, so each continues exactly as it was.
+        local = dict(zip(sums, (float(t) for t in be.read(list(sums.values())))))
+        per_process = be.gather_objects({"rng": be.rng_state(), "sums": local})
+        # A non-finite loss since the last check must not become the latest checkpoint.
+        self._check_nonfinite(sum(p["sums"]["nonfinite"] for p in per_process), cursor.epoch, 1, cursor.step)
         if not be.is_main:
             return None
         tensors, meta = pack_state(
-            model=be.unwrap(self.model), optimizer=self.optimizer, scheduler=self.scheduler, sums=sums,
-            cursor=cursor, rng_states=rng, config=self.config, read=be.read,
+            model=be.unwrap(self.model), optimizer=self.optimizer, scheduler=self.scheduler, cursor=cursor,
+            sums_per_process=[p["sums"] for p in per_process], rng_states=[p["rng"] for p in per_process],
+            config=self.config, read=be.read,
         )
-        # A non-finite loss since the last check must not become the latest checkpoint.
-        self._check_nonfinite(float(tensors["sums.nonfinite"]), cursor.epoch, 1, cursor.step)
         root = self.run_dir / "checkpoints"
         path = write_checkpoint(root, cursor.global_step, tensors, meta)
         if cursor.epoch_done and self._best_epoch == cursor.epoch:
