@@ -130,3 +130,14 @@ def test_resnet_unet_rejects_sizes_not_divisible_by_16():
         ResNetUNet(width=1)
     with pytest.raises(ValueError, match="blocks"):
         ResNetUNet(blocks=(1, 1, 1))
+
+
+def test_a_runs_best_safetensors_loads_as_pretrained(tmp_path):
+    from xlatrain import save_weights
+
+    torch.manual_seed(0)
+    model = build_model("resnet_unet", num_outputs=1, in_channels=1, width=4, blocks=(1, 1, 1, 1))
+    path = save_weights(model, tmp_path / "best.safetensors")
+    again = build_model("resnet_unet", num_outputs=1, in_channels=1, width=4, blocks=(1, 1, 1, 1), pretrained=path)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(again.state_dict()[key], value)
