@@ -194,3 +194,38 @@ def test_step_schedules_and_scale_lr_on_one_device_leave_the_rate(tmp_path, caps
     trainer.fit(_classification(32))  # 4 optimizer steps
     assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**4)
     assert "scaled" not in capsys.readouterr().out
+
+
+def test_tuple_outputs_and_a_host_metrics_fn_see_every_row_in_order(tmp_path):
+    class TwoHeads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(6, 3), nn.Linear(6, 1)
+
+        def forward(self, x):
+            return self.a(x), self.b(x)
+
+    def loss_fn(outputs, targets, reduction="mean"):
+        ce = F.cross_entropy(outputs[0], targets, reduction=reduction)
+        reg = F.mse_loss(outputs[1].squeeze(1), targets.float(), reduction=reduction)
+        return ce + reg
+
+    seen = {}
+
+    def metrics_fn(outputs, targets):
+        seen["outputs"], seen["targets"] = outputs, targets
+        return {"mae": (outputs[1].squeeze(1) - targets.float()).abs().mean()}
+
+    data = _classification(29, seed=6)
+    torch.manual_seed(0)
+    trainer = Trainer(TwoHeads(), loss_fn, functools.partial(torch.optim.SGD, lr=0.05),
+                      config=TrainConfig(epochs=2, batch_size=8, task="none", run_dir=str(tmp_path / "t")),
+                      backend="cpu", metrics_fn=metrics_fn)
+    history = trainer.fit(data, data)
+    assert torch.equal(seen["targets"], data.tensors[1])  # dataset order, padding dropped
+    with torch.no_grad():
+        expected = trainer.model(data.tensors[0])
+    assert torch.allclose(seen["outputs"][1], expected[1], atol=1e-6)
+    assert history[-1]["val_mae"] == pytest.approx((expected[1].squeeze(1) - data.tensors[1].float()).abs().mean().item(), rel=1e-5)
+    preds = trainer.predict(data)
+    assert isinstance(preds, tuple) and preds[0].shape == (29, 3)

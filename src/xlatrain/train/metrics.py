@@ -15,8 +15,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from xlatrain.backend.base import Backend
+from xlatrain.data.sampling import EvalSampler
 
 
 def infer_task(loss_fn: Any) -> str:
@@ -69,44 +71,76 @@ def per_sample_loss(loss_fn: Any) -> Callable[[Any, Any], torch.Tensor]:
     return per_sample
 
 
-class EvalAccumulator:
-    """Running sums for one evaluation pass, kept on the device."""
+def gather_rows(backend: Backend, layout: EvalSampler, batches: Sequence[Any]) -> Any:
+    """Per-batch device trees (outputs, targets, ...) -> one host tree in dataset order.
 
-    def __init__(self, task: str, device: torch.device) -> None:
+    Every leaf is concatenated, gathered over processes and read in one planned sync; the rows
+    are then put back in dataset order and the padding rows dropped.
+    """
+    leaves_per_batch = [tree_flatten(b)[0] for b in batches]
+    spec = tree_flatten(batches[0])[1]
+    columns = [torch.cat([leaves[i] for leaves in leaves_per_batch]) for i in range(len(leaves_per_batch[0]))]
+    host = backend.read([backend.all_gather(c) for c in columns])
+    # Rows arrive grouped by process, each in the layout's reading order.
+    order = torch.cat([layout.indices(p) for p in range(layout.num_processes)])
+    real = order < layout.num_samples
+    ordered = []
+    for col in host:
+        out = torch.empty((layout.num_samples, *col.shape[1:]), dtype=col.dtype)
+        out[order[real]] = col[real]
+        ordered.append(out)
+    return tree_unflatten(ordered, spec)
+
+
+def as_float(tree: Any) -> Any:
+    return tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
+
+
+class EvalAccumulator:
+    """Running sums for one evaluation pass, kept on the device.
+
+    Loss (and accuracy for classification) are summed per batch. Outputs and targets are kept
+    on the device only when a host metric needs every row (multilabel AUC, ``metrics_fn``).
+    """
+
+    def __init__(self, task: str, device: torch.device, keep_rows: bool) -> None:
         self.task = task
         self.loss_sum = torch.zeros((), device=device)
         self.count = torch.zeros((), device=device)
         self.correct = torch.zeros((), device=device)
-        self.probs: list[torch.Tensor] = []
-        self.targets: list[torch.Tensor] = []
-        self.valid: list[torch.Tensor] = []
+        self.keep_rows = keep_rows or task == "multilabel"
+        self.rows: list[tuple[Any, Any]] = []
 
-    def update(self, losses_B: torch.Tensor, outputs: torch.Tensor, targets: torch.Tensor, valid_B: torch.Tensor) -> None:
+    def update(self, losses_B: torch.Tensor, outputs: Any, targets: Any, valid_B: torch.Tensor) -> None:
         mask_B = valid_B.to(losses_B.dtype)
         self.loss_sum = self.loss_sum + (losses_B * mask_B).sum()
         self.count = self.count + mask_B.sum()
         if self.task == "classification":
             hit_B = (outputs.argmax(dim=1) == targets) & valid_B
             self.correct = self.correct + hit_B.sum().to(self.correct.dtype)
-        elif self.task == "multilabel":
-            self.probs.append(torch.sigmoid(outputs.detach().float()))
-            self.targets.append(targets.detach())
-            self.valid.append(valid_B)
+        if self.keep_rows:
+            self.rows.append((tree_map(torch.Tensor.detach, outputs), targets))
 
-    def compute(self, backend: Backend, label_names: Sequence[str] | None = None) -> dict[str, float]:
+    def compute(
+        self,
+        backend: Backend,
+        layout: EvalSampler,
+        label_names: Sequence[str] | None = None,
+        metrics_fn: Callable[[Any, Any], dict[str, float]] | None = None,
+    ) -> dict[str, float]:
         """Reduce over processes, read once, and return host floats."""
-        sums = backend.all_reduce_sum(torch.stack([self.loss_sum, self.count, self.correct]))
-        tensors = [sums]
-        if self.task == "multilabel":
-            tensors += [backend.all_gather(torch.cat(t)) for t in (self.probs, self.targets, self.valid)]
-        host = backend.read(tensors)
-        loss_sum, count, correct = host[0].double().tolist()
-        out = {"loss": loss_sum / count, "num_samples": int(count)}
+        (sums,) = backend.read([backend.all_reduce_sum(torch.stack([self.loss_sum, self.count, self.correct]))])
+        loss_sum, count, correct = sums.double().tolist()
+        out: dict[str, float] = {"loss": loss_sum / count, "num_samples": int(count)}
         if self.task == "classification":
             out["accuracy"] = correct / count
-        elif self.task == "multilabel":
-            probs, targets, valid = host[1], host[2], host[3]
-            out.update(multilabel_auc(probs[valid].numpy(), targets[valid].numpy(), label_names))
+        if self.keep_rows:
+            outputs, targets = gather_rows(backend, layout, self.rows)
+            if self.task == "multilabel":
+                probs = torch.sigmoid(outputs)
+                out.update(multilabel_auc(probs.numpy(), targets.numpy(), label_names))
+            if metrics_fn is not None:
+                out.update({k: float(v) for k, v in metrics_fn(outputs, targets).items()})
         return out
 
 

@@ -34,7 +34,7 @@ from xlatrain.config import BackendConfig, CheckpointConfig, TrainConfig
 from xlatrain.data.sampling import EvalSampler, PaddedDataset, TrainSampler
 from xlatrain.data.source import BatchSource, train_steps_per_epoch
 from xlatrain.report import write_history
-from xlatrain.train.metrics import EvalAccumulator, default_monitor, infer_task, per_sample_loss
+from xlatrain.train.metrics import EvalAccumulator, as_float, default_monitor, gather_rows, infer_task, per_sample_loss
 from xlatrain.train.state import Cursor
 from xlatrain.train.state import pack as pack_state
 from xlatrain.train.state import unpack
@@ -79,6 +79,9 @@ class Trainer:
         checkpoint: a :class:`~xlatrain.config.CheckpointConfig` (default: at each epoch end).
         backend: a Backend, a BackendConfig, or an accelerator name (``"auto"``, ``"xla"``, ...).
         label_names: names of multilabel outputs, used in per-label metric columns.
+        metrics_fn: ``metrics_fn(outputs, targets) -> {name: value}`` on the host, over the whole
+            evaluation set in dataset order (outputs/targets as the model and dataset give them,
+            stacked); its keys join the history as ``val_<name>``.
 
     Example:
         >>> trainer = Trainer(model, nn.CrossEntropyLoss(), partial(torch.optim.Adam, lr=1e-3),
@@ -97,6 +100,7 @@ class Trainer:
         checkpoint: CheckpointConfig | None = None,
         backend: Backend | BackendConfig | str = "auto",
         label_names: Sequence[str] | None = None,
+        metrics_fn: Callable[[Any, Any], dict[str, float]] | None = None,
     ) -> None:
         self.config = cfg = config or TrainConfig()
         self.checkpoint = checkpoint or CheckpointConfig()
@@ -111,6 +115,7 @@ class Trainer:
         self.monitor_mode = cfg.monitor_mode or (mode if cfg.monitor is None else _mode_for(self.monitor))
         self.loss_fn = loss_fn
         self.label_names = list(label_names) if label_names is not None else None
+        self.metrics_fn = metrics_fn
         self.model = be.prepare_model(model)
         self.optimizer = optimizer_fn(be.unwrap(self.model).parameters())
         if cfg.scale_lr and be.world_size > 1:
@@ -197,12 +202,27 @@ class Trainer:
 
     def evaluate(self, data: Any) -> dict[str, float]:
         """Loss and task metrics over ``data``, every sample counted exactly once."""
-        return self._evaluate(self._eval_batches(data)[0])
+        be = self.backend
+        if self._eval_loss is None:
+            self._eval_loss = per_sample_loss(self.loss_fn)
+        batches, layout = self._eval_batches(data)
+        acc = EvalAccumulator(self.task, be.device, keep_rows=self.metrics_fn is not None)
+        self.model.eval()
+        with torch.no_grad():
+            for batch, valid_B in batches:
+                inputs, targets = _split(batch)
+                with be.autocast(self.config.precision):
+                    outputs = self.model(inputs)
+                outputs = as_float(outputs)
+                acc.update(self._eval_loss(outputs, targets), outputs, targets, valid_B)
+                be.step_end()
+        return acc.compute(be, layout, self.label_names, self.metrics_fn)
 
-    def predict(self, data: Any) -> torch.Tensor:
+    def predict(self, data: Any) -> Any:
         """Model outputs for every item of ``data``, in dataset order, on the host.
 
-        Items may be ``(inputs, targets)`` pairs (targets are ignored) or bare inputs.
+        Items may be ``(inputs, targets)`` pairs (targets are ignored) or bare inputs. Models
+        returning several tensors (a tuple or dict) get the same structure back, each stacked.
         """
         be = self.backend
         batches, layout = self._eval_batches(data)
@@ -212,15 +232,9 @@ class Trainer:
             for item, _valid in batches:
                 inputs = item[0] if isinstance(item, (list, tuple)) else item
                 with be.autocast(self.config.precision):
-                    outputs.append(self.model(inputs).float())
+                    outputs.append(as_float(self.model(inputs)))
                 be.step_end()
-        (gathered,) = be.read([be.all_gather(torch.cat(outputs))])
-        # Rows arrive grouped by process; put them back in dataset order and drop padding.
-        order = torch.cat([layout.indices(p) for p in range(layout.num_processes)])
-        real = order < layout.num_samples
-        result = torch.empty((layout.num_samples, *gathered.shape[1:]), dtype=gathered.dtype)
-        result[order[real]] = gathered[real]
-        return result
+        return gather_rows(be, layout, outputs)
 
     # ----------------------------------------------------------------------------------------
     def _train_epoch(self, feed: _TrainFeed, cursor: Cursor, sums: dict[str, torch.Tensor], stop: _StopSignals) -> float:
@@ -387,22 +401,6 @@ class Trainer:
             if self.backend.is_main:
                 save_weights(self.backend.unwrap(self.model), self.run_dir / "best.safetensors", read=self.backend.read)
         return improved
-
-    def _evaluate(self, loader: Iterable[Any]) -> dict[str, float]:
-        be = self.backend
-        if self._eval_loss is None:
-            self._eval_loss = per_sample_loss(self.loss_fn)
-        acc = EvalAccumulator(self.task, be.device)
-        self.model.eval()
-        with torch.no_grad():
-            for batch, valid_B in loader:
-                inputs, targets = _split(batch)
-                with be.autocast(self.config.precision):
-                    outputs = self.model(inputs)
-                outputs = outputs.float()
-                acc.update(self._eval_loss(outputs, targets), outputs, targets, valid_B)
-                be.step_end()
-        return acc.compute(be, self.label_names)
 
     def _layout(self, per_device: int) -> dict[str, int]:
         be = self.backend
