@@ -1,0 +1,12 @@
+"""Why an XLA run is slow or broken: ``xlatrain doctor`` (environment and script checks) and
+readings of torch_xla's own metrics.
+
+Submodules are imported on use; none of them imports torch_xla at module level, so
+``import xlatrain.diagnostics`` works without it.
+
+- :mod:`xlatrain.diagnostics.doctor`: the environment report (``collect``, ``render_text``,
+  ``render_json``, ``default_cache_dir``).
+- :mod:`xlatrain.diagnostics.script_check`: static check of a training script (``check_file``).
+- :mod:`xlatrain.diagnostics.xla_metrics`: ``snapshot()`` / ``diff()`` of torch_xla's counters.
+- :mod:`xlatrain.diagnostics.cli`: ``add_doctor_parser`` for the ``xlatrain`` command line.
+"""

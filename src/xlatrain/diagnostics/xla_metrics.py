@@ -1,0 +1,103 @@
+"""Read torch_xla's process-wide metrics as plain numbers: compilations, executions, host transfers,
+persistent-cache outcomes and ops that fell back to the CPU.
+
+``snapshot()`` before and after a phase, then ``diff(before, after)`` tells what that phase cost.
+Neither touches a device tensor: they read counters the runtime already keeps, so they are cheap
+enough to take every epoch (each call copies at most the metric's sample ring, about a thousand
+numbers per metric).
+
+Example (on any PJRT device, ``PJRT_DEVICE=CPU`` included)::
+
+    from xlatrain.diagnostics import xla_metrics
+    before = xla_metrics.snapshot()
+    run_one_epoch()
+    cost = xla_metrics.diff(before, xla_metrics.snapshot())
+    cost["compile_count"], cost["transfer_from_device_count"], cost["cpu_fallback_ops"]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# torch_xla runs ``.item()`` / ``float(t)`` / ``bool(t)`` on a device tensor through the
+# ``aten::_local_scalar_dense`` fallback, so it shows among the executed fallback ops. It is a
+# host read (counted by TransferFromDeviceTime as well), not an op without an XLA lowering.
+SCALAR_READ_OP = "aten::_local_scalar_dense"
+
+# (key prefix, torch_xla metric name). Time metrics accumulate nanoseconds.
+_TIMED = (
+    ("compile", "CompileTime"),
+    ("execute", "ExecuteTime"),
+    # SPMD runs execute through ExecuteReplicated; both are one program launch each.
+    ("execute_replicated", "ExecuteReplicatedTime"),
+    ("transfer_to_device", "TransferToDeviceTime"),
+    ("transfer_from_device", "TransferFromDeviceTime"),
+)
+_COUNTERS = (
+    ("cached_compile", "CachedCompile"),
+    ("uncached_compile", "UncachedCompile"),
+    ("persistent_cache_hit", "PersistentCacheHit"),
+    ("persistent_cache_miss", "PersistentCacheMiss"),
+    ("persistent_cache_deserialize_failure", "PersistentCacheDeserializeFailure"),
+)
+
+
+def snapshot() -> dict[str, Any]:
+    """The process's torch_xla metrics so far, as plain Python numbers.
+
+    Keys: ``<name>_count`` and ``<name>_s`` (total seconds) for ``compile``, ``execute``,
+    ``execute_replicated``, ``transfer_to_device`` and ``transfer_from_device`` (one sample per
+    host read); counters ``cached_compile``, ``uncached_compile``, ``persistent_cache_hit``,
+    ``persistent_cache_miss``, ``persistent_cache_deserialize_failure``; ``fallback_ops`` (every
+    ``aten::*`` op that ran on the CPU, with its count), ``cpu_fallback_ops`` (the same without
+    the scalar reads) and ``scalar_reads`` (``.item()``-style reads of a device scalar).
+
+    Needs torch_xla; raises ``ImportError`` without it.
+    """
+    import torch_xla.debug.metrics as met
+
+    snap: dict[str, Any] = {}
+    for key, name in _TIMED:
+        data = met.metric_data(name)  # None until the metric has its first sample
+        count, total_ns = (int(data[0]), float(data[1])) if data else (0, 0.0)
+        snap[f"{key}_count"] = count
+        snap[f"{key}_s"] = total_ns / 1e9
+    for key, name in _COUNTERS:
+        snap[key] = int(met.counter_value(name) or 0)
+
+    # executed_fallback_ops() names the ops; the aten::* counters hold how often each ran.
+    names = set(met.executed_fallback_ops()) | {n for n in met.counter_names() if n.startswith("aten::")}
+    fallbacks = {name: int(met.counter_value(name) or 0) for name in sorted(names)}
+    fallbacks = {name: count for name, count in fallbacks.items() if count}
+    snap["fallback_ops"] = fallbacks
+    snap["cpu_fallback_ops"] = {n: c for n, c in fallbacks.items() if n != SCALAR_READ_OP}
+    snap["scalar_reads"] = fallbacks.get(SCALAR_READ_OP, 0)
+    return snap
+
+
+def diff(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """What happened between two snapshots: ``after - before`` key by key.
+
+    Op-count maps keep only the ops whose count changed. A key missing from ``before`` counts
+    from zero, so a snapshot from an older xlatrain still compares.
+
+    Example:
+        >>> diff({"compile_count": 2, "fallback_ops": {"aten::a": 1}},
+        ...      {"compile_count": 5, "fallback_ops": {"aten::a": 1, "aten::b": 2}})
+        {'compile_count': 3, 'fallback_ops': {'aten::b': 2}}
+    """
+    out: dict[str, Any] = {}
+    for key, value in after.items():
+        old = before.get(key)
+        if isinstance(value, dict):
+            old_map = old if isinstance(old, dict) else {}
+            changed = {n: c - old_map.get(n, 0) for n, c in value.items()}
+            out[key] = {n: c for n, c in changed.items() if c}
+        elif isinstance(value, (int, float)):
+            out[key] = value - (old if isinstance(old, (int, float)) else 0)
+        else:
+            raise ValueError(
+                f"snapshot key {key!r} holds {type(value).__name__}, not a number or a map of op "
+                "counts: pass two dicts returned by xlatrain.diagnostics.xla_metrics.snapshot()"
+            )
+    return out
