@@ -61,13 +61,18 @@ def test_ddp_two_processes_under_torchrun_match_one_process(cpu_reference, tmp_p
 
 
 @pytest.mark.xla
-def test_xla_compilations_do_not_grow_after_the_first_epoch(tmp_path):
-    history = run_script([sys.executable, str(SCRIPTS / "compile_count.py"), str(tmp_path)], env={"PJRT_DEVICE": "CPU"})
+@pytest.mark.parametrize("task", ["classification", "multilabel"])
+def test_xla_compilations_do_not_grow_after_the_first_epoch(tmp_path, task):
+    # multilabel reads every validation row to the host for AUC: reading a batch-sharded tensor
+    # would compile a new gather program per read unless it is replicated inside the step.
+    history = run_script(
+        [sys.executable, str(SCRIPTS / "compile_count.py"), str(tmp_path), task], env={"PJRT_DEVICE": "CPU"}
+    )
     compiles = [row["xla_compilations"] for row in history]
     assert compiles[0] > 0 and compiles == [compiles[0]] * 3, compiles
     # Host reads are planned, not per step: the same handful every epoch (progress, epoch loss,
     # validation sums, best weights), far fewer than the 6 train + 10 eval steps per epoch.
     transfers = [b["xla_host_transfers"] - a["xla_host_transfers"] for a, b in zip(history, history[1:])]
-    assert transfers[0] == transfers[1] <= 8, transfers
+    assert transfers[0] == transfers[1] <= (8 if task == "classification" else 12), transfers
     # The per-epoch StepLR schedule changed the rate without a recompile.
     assert [row["lr"] for row in history] == [0.01, 0.005, 0.0025]

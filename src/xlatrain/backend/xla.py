@@ -178,7 +178,16 @@ class XlaBackend:
         return xm.all_reduce(xm.REDUCE_SUM, tensor, scale=1.0 / self.world_size)
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.mode == "spmd" or self.world_size == 1:
+        if self.mode == "spmd":
+            import torch_xla.distributed.spmd as xs
+
+            # Replicate inside the step's graph: reading a batch-sharded tensor on the host would
+            # otherwise compile a fresh gather program for every tensor read.
+            # A fresh op (a clone would inherit the batch sharding annotation) marked replicated.
+            whole = tensor + 0 if tensor.dtype != torch.bool else tensor.logical_not().logical_not()
+            xs.mark_sharding(whole, self._mesh, (None,) * whole.dim())
+            return whole
+        if self.world_size == 1:
             return tensor
         import torch_xla.core.xla_model as xm
 
@@ -199,13 +208,16 @@ class XlaBackend:
         import torch_xla.core.xla_model as xm
 
         # Runs after the step's graph has executed: one transfer for all tensors, no extra compile.
-        xm.add_step_closure(lambda *ts: fn(*[t.cpu() for t in ts]), args=tuple(tensors))
+        xm.add_step_closure(lambda *ts: fn(*xm._maybe_convert_to_cpu(list(ts))), args=tuple(tensors))
 
     def read(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         import torch_xla
 
+        import torch_xla.core.xla_model as xm
+
         torch_xla.sync()
-        return [t.cpu() for t in tensors]
+        # One transfer for the whole list (what xm.save uses), not one per tensor.
+        return list(xm._maybe_convert_to_cpu(list(tensors))) if tensors else []
 
     def barrier(self) -> None:
         if self.num_processes > 1:

@@ -71,25 +71,41 @@ def per_sample_loss(loss_fn: Any) -> Callable[[Any, Any], torch.Tensor]:
     return per_sample
 
 
-def gather_rows(backend: Backend, layout: EvalSampler, batches: Sequence[Any]) -> Any:
+class RowCollector:
     """Per-batch device trees (outputs, targets, ...) -> one host tree in dataset order.
 
-    Every leaf is concatenated, gathered over processes and read in one planned sync; the rows
-    are then put back in dataset order and the padding rows dropped.
+    Each batch is gathered over processes on the device (a fixed-shape collective, compiled once;
+    the identity under SPMD) and moved to the host through ``backend.defer``, so nothing waits
+    for it and no graph grows with the dataset. ``result`` restores dataset order and drops the
+    padding rows.
     """
-    leaves_per_batch = [tree_flatten(b)[0] for b in batches]
-    spec = tree_flatten(batches[0])[1]
-    columns = [torch.cat([leaves[i] for leaves in leaves_per_batch]) for i in range(len(leaves_per_batch[0]))]
-    host = backend.read([backend.all_gather(c) for c in columns])
-    # Rows arrive grouped by process, each in the layout's reading order.
-    order = torch.cat([layout.indices(p) for p in range(layout.num_processes)])
-    real = order < layout.num_samples
-    ordered = []
-    for col in host:
-        out = torch.empty((layout.num_samples, *col.shape[1:]), dtype=col.dtype)
-        out[order[real]] = col[real]
-        ordered.append(out)
-    return tree_unflatten(ordered, spec)
+
+    def __init__(self, backend: Backend, layout: EvalSampler) -> None:
+        self._backend = backend
+        self._layout = layout
+        self._host: list[list[torch.Tensor]] = []
+        self._spec: Any = None
+
+    def add(self, tree: Any) -> None:
+        leaves, self._spec = tree_flatten(tree)
+        slot: list[torch.Tensor] = []
+        self._host.append(slot)
+        self._backend.defer(lambda *ts: slot.extend(ts), [self._backend.all_gather(t.detach()) for t in leaves])
+
+    def result(self) -> Any:
+        self._backend.read([])  # run any deferred copies still in flight
+        lay = self._layout
+        indices = [lay.indices(p).reshape(lay.steps, lay.loader_batch) for p in range(lay.num_processes)]
+        # Batch k arrives as [process 0's rows, process 1's rows, ...].
+        order = torch.cat([torch.cat([idx[k] for idx in indices]) for k in range(len(self._host))])
+        real = order < lay.num_samples
+        columns = []
+        for i in range(len(self._host[0])):
+            col = torch.cat([batch[i] for batch in self._host])
+            out = torch.empty((lay.num_samples, *col.shape[1:]), dtype=col.dtype)
+            out[order[real]] = col[real]
+            columns.append(out)
+        return tree_unflatten(columns, self._spec)
 
 
 def as_float(tree: Any) -> Any:
@@ -103,13 +119,12 @@ class EvalAccumulator:
     on the device only when a host metric needs every row (multilabel AUC, ``metrics_fn``).
     """
 
-    def __init__(self, task: str, device: torch.device, keep_rows: bool) -> None:
+    def __init__(self, task: str, device: torch.device, rows: RowCollector | None) -> None:
         self.task = task
         self.loss_sum = torch.zeros((), device=device)
         self.count = torch.zeros((), device=device)
         self.correct = torch.zeros((), device=device)
-        self.keep_rows = keep_rows or task == "multilabel"
-        self.rows: list[tuple[Any, Any]] = []
+        self.rows = rows
 
     def update(self, losses_B: torch.Tensor, outputs: Any, targets: Any, valid_B: torch.Tensor) -> None:
         mask_B = valid_B.to(losses_B.dtype)
@@ -118,13 +133,12 @@ class EvalAccumulator:
         if self.task == "classification":
             hit_B = (outputs.argmax(dim=1) == targets) & valid_B
             self.correct = self.correct + hit_B.sum().to(self.correct.dtype)
-        if self.keep_rows:
-            self.rows.append((tree_map(torch.Tensor.detach, outputs), targets))
+        if self.rows is not None:
+            self.rows.add((outputs, targets))
 
     def compute(
         self,
         backend: Backend,
-        layout: EvalSampler,
         label_names: Sequence[str] | None = None,
         metrics_fn: Callable[[Any, Any], dict[str, float]] | None = None,
     ) -> dict[str, float]:
@@ -134,8 +148,8 @@ class EvalAccumulator:
         out: dict[str, float] = {"loss": loss_sum / count, "num_samples": int(count)}
         if self.task == "classification":
             out["accuracy"] = correct / count
-        if self.keep_rows:
-            outputs, targets = gather_rows(backend, layout, self.rows)
+        if self.rows is not None:
+            outputs, targets = self.rows.result()
             if self.task == "multilabel":
                 probs = torch.sigmoid(outputs)
                 out.update(multilabel_auc(probs.numpy(), targets.numpy(), label_names))

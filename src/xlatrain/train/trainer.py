@@ -34,7 +34,7 @@ from xlatrain.config import BackendConfig, CheckpointConfig, TrainConfig
 from xlatrain.data.sampling import EvalSampler, PaddedDataset, TrainSampler
 from xlatrain.data.source import BatchSource, train_steps_per_epoch
 from xlatrain.report import write_history
-from xlatrain.train.metrics import EvalAccumulator, as_float, default_monitor, gather_rows, infer_task, per_sample_loss
+from xlatrain.train.metrics import EvalAccumulator, RowCollector, as_float, default_monitor, infer_task, per_sample_loss
 from xlatrain.train.state import Cursor
 from xlatrain.train.state import pack as pack_state
 from xlatrain.train.state import unpack
@@ -206,7 +206,8 @@ class Trainer:
         if self._eval_loss is None:
             self._eval_loss = per_sample_loss(self.loss_fn)
         batches, layout = self._eval_batches(data)
-        acc = EvalAccumulator(self.task, be.device, keep_rows=self.metrics_fn is not None)
+        keep_rows = self.metrics_fn is not None or self.task == "multilabel"
+        acc = EvalAccumulator(self.task, be.device, RowCollector(be, layout) if keep_rows else None)
         self.model.eval()
         with torch.no_grad():
             for batch, valid_B in batches:
@@ -216,7 +217,7 @@ class Trainer:
                 outputs = as_float(outputs)
                 acc.update(self._eval_loss(outputs, targets), outputs, targets, valid_B)
                 be.step_end()
-        return acc.compute(be, layout, self.label_names, self.metrics_fn)
+        return acc.compute(be, self.label_names, self.metrics_fn)
 
     def predict(self, data: Any) -> Any:
         """Model outputs for every item of ``data``, in dataset order, on the host.
@@ -226,15 +227,15 @@ class Trainer:
         """
         be = self.backend
         batches, layout = self._eval_batches(data)
-        outputs = []
+        rows = RowCollector(be, layout)
         self.model.eval()
         with torch.no_grad():
             for item, _valid in batches:
                 inputs = item[0] if isinstance(item, (list, tuple)) else item
                 with be.autocast(self.config.precision):
-                    outputs.append(as_float(self.model(inputs)))
+                    rows.add(as_float(self.model(inputs)))
                 be.step_end()
-        return gather_rows(be, layout, outputs)
+        return rows.result()
 
     # ----------------------------------------------------------------------------------------
     def _train_epoch(self, feed: _TrainFeed, cursor: Cursor, sums: dict[str, torch.Tensor], stop: _StopSignals) -> float:
