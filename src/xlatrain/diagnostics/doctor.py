@@ -439,6 +439,18 @@ def _installed_versions() -> dict[str, str | None]:
     return versions
 
 
+def _torch_requirement(dist: str) -> str | None:
+    """The ``torch`` requirement a distribution declares (``"torch>=2.11"``), if any."""
+    try:
+        requires = metadata.requires(dist) or []
+    except metadata.PackageNotFoundError:
+        return None
+    for req in requires:
+        if re.match(r"torch\s*([<>=!~;\[ ]|$)", req):
+            return req.split(";")[0].strip()
+    return None
+
+
 def _major_minor(version: str | None) -> tuple[int, int] | None:
     match = re.match(r"(\d+)\.(\d+)", version or "")
     return (int(match.group(1)), int(match.group(2))) if match else None
@@ -586,7 +598,12 @@ def collect(
             rows.append(Row("torch_xla", f"{xla_v} (matches torch {torch_v})" if torch_v else xla_v))
 
     tpu_v = ver.get("torch_tpu")
-    rows.append(Row("torch_tpu", tpu_v if tpu_v else "not installed", "ok" if tpu_v else "info"))
+    if tpu_v:
+        # Google's native TPU device for eager PyTorch; it pins its own torch release.
+        needs = _torch_requirement("torch_tpu")
+        rows.append(Row("torch_tpu", f"{tpu_v} (requires {needs}; found torch {torch_v})" if needs else tpu_v))
+    else:
+        rows.append(Row("torch_tpu", "not installed", "info"))
 
     libtpu_v = ver.get("libtpu") or ver.get("libtpu-nightly")
     bundled = _bundled_libtpu()
@@ -955,12 +972,15 @@ def render_text(report: Report, strict: bool = False) -> str:
                                            subsequent_indent=" " * 16, break_on_hyphens=False))
         lines.append("")
     counts = {s: sum(f.severity == s for f in report.findings) for s in SEVERITIES}
-    tally = ", ".join(f"{n} {s}{'s' if n != 1 else ''}" for s, n in counts.items())
-    if report.exit_code(strict) == 0:
-        lines.append(f"Result: usable ({tally})")
-    else:
-        reasons = [f.title for f in report.findings if f.severity == "error" or (strict and f.severity == "warning")]
+    tally = f"{counts['error']} error(s), {counts['warning']} warning(s), {counts['info']} note(s)"
+    if not report.usable:
+        reasons = [f.title for f in report.findings if f.severity == "error"]
         lines.append(f"Result: NOT usable ({tally}): " + "; ".join(reasons))
+    elif report.exit_code(strict):
+        reasons = [f.title for f in report.findings if f.severity == "warning"]
+        lines.append(f"Result: usable, but --strict fails on the warnings ({tally}): " + "; ".join(reasons))
+    else:
+        lines.append(f"Result: usable ({tally})")
     return "\n".join(lines)
 
 

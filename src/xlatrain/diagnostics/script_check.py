@@ -222,7 +222,7 @@ def render_text(path: str, findings: Sequence[ScriptFinding]) -> str:
         lines.append(f"{path}:{f.line}:{f.col + 1}: {f.severity} [{f.code}] {f.message}")
         lines.append(f"    fix: {f.fix}")
     counts = {s: sum(f.severity == s for f in findings) for s in SEVERITIES}
-    lines.append(f"{path}: " + ", ".join(f"{n} {s}{'s' if n != 1 else ''}" for s, n in counts.items()))
+    lines.append(f"{path}: {counts['error']} error(s), {counts['warning']} warning(s), {counts['info']} note(s)")
     return "\n".join(lines)
 
 
