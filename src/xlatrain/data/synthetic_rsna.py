@@ -198,10 +198,11 @@ def _write_study(
             img[((xx - cx) / lung_a) ** 2 + ((yy + 0.02) / lung_b) ** 2 < 1] = 0.08
         img[((xx + 0.05) / 0.2) ** 2 + ((yy - 0.05) / 0.22) ** 2 < 1] = 0.55  # heart
         for cx, cy, r in ((0.0, -0.2, 0.07), (-0.15, -0.12, 0.04), (0.15, -0.12, 0.04)):  # vessels
-            img[(xx - cx) ** 2 + (yy - cy) ** 2 < r * r] = 0.8
-        img[xx**2 + (yy - 0.55) ** 2 < 0.1**2] = 0.95  # vertebra
+            img[(xx - cx) ** 2 + (yy - cy) ** 2 < r * r] = 0.7
+        img[xx**2 + (yy - 0.55) ** 2 < 0.1**2] = 0.75  # vertebra
+        # Brighter than anything else in the slice, so even a tiny model can find it.
         if pe[z]:
-            r = rng.uniform(0.1, 0.14)
+            r = rng.uniform(0.12, 0.18)
             cx = {-1: -0.38, 0: 0.0, 1: 0.38}[side] + rng.uniform(-0.05, 0.05)
             cy = rng.uniform(-0.3, -0.1)
             img[(xx - cx) ** 2 + (yy - cy) ** 2 < r * r] = 1.0

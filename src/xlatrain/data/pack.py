@@ -1,0 +1,621 @@
+"""``xlatrain pack``: an image folder plus a CSV -> a directory of shards and a manifest.
+
+The encoded JPEG bytes are stored as they are (``max_side`` re-encodes once, offline, only images
+larger than it), with each record's labels, group key and source path. Every image is decoded
+once while packing, so an unreadable or corrupt file -- or a CSV row whose file is missing -- is
+skipped, counted and listed (in the summary and in ``manifest.json``), never packed silently.
+
+Shards are written atomically and named by their content (``shard-00003-<sha256 prefix>.xshard``);
+the manifest is written last. Packing the same input again produces the same manifest and finds
+every shard already in place, so nothing is rewritten. :func:`verify` re-checks every checksum and
+decodes every record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import fnmatch
+import glob
+import hashlib
+import io
+import json
+import os
+import string
+import sys
+import time
+import zlib
+from collections import OrderedDict, deque
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import simplejpeg
+
+from xlatrain.checkpoint import atomic_write_bytes, atomic_write_text
+from xlatrain.data.decode import decode
+from xlatrain.data.shards import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    SHARD_SUFFIX,
+    ShardError,
+    ShardRecord,
+    encode_shard,
+    file_sha256,
+    read_manifest,
+    read_shard_index,
+)
+
+_GLOB_CHARS = "*?["
+_CHUNK = 64  # rows per task sent to a worker process: amortises the round trip
+
+
+@dataclass(frozen=True, kw_only=True)
+class PackOptions:
+    """What :func:`pack` reads from the CSV and how it writes shards.
+
+    Attributes:
+        path_columns: columns joined with ``/`` (then ``suffix``) into each image's path under
+            ``image_dir``, e.g. ``("StudyInstanceUID", "SeriesInstanceUID", "SOPInstanceUID")``;
+            one column holding a relative path also works.
+        path_template: instead of ``path_columns``, a ``str.format`` template over the columns,
+            e.g. ``"{StudyInstanceUID}/{SeriesInstanceUID}/*{SOPInstanceUID}.jpg"``; a ``*`` or ``?``
+            in the file-name part is matched against the folder (listed once per folder, not
+            globbed per row).
+        suffix: appended to the joined ``path_columns`` (e.g. ``".jpg"``).
+        labels: label columns, by name or ``fnmatch`` pattern (``"*_pe"``), kept in CSV order.
+        group: column holding the group key (e.g. ``StudyInstanceUID``) for leakage-free splits.
+        max_side: re-encode images whose longer side exceeds this, once, to this size.
+        quality: JPEG quality of those re-encoded images.
+        shard_bytes: target shard size; a shard closes when the next image would exceed it.
+        workers: processes that read and check images.
+        progress: print a progress line to stderr.
+    """
+
+    path_columns: tuple[str, ...] = ()
+    path_template: str | None = None
+    suffix: str = ""
+    labels: tuple[str, ...] = ()
+    group: str | None = None
+    max_side: int | None = None
+    quality: int = 95
+    shard_bytes: int = 128 * 2**20
+    workers: int = 1
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("path_columns", "labels"):
+            value = getattr(self, name)
+            object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value))
+        if bool(self.path_columns) == (self.path_template is not None):
+            raise ValueError(
+                "give exactly one of path_columns (e.g. ['StudyInstanceUID', 'SeriesInstanceUID', "
+                "'SOPInstanceUID'] with suffix='.jpg') and path_template (e.g. '{path}')"
+            )
+        if self.path_template is not None:
+            fields = _template_fields(self.path_template)
+            if not fields:
+                raise ValueError(f"path_template={self.path_template!r} names no column: write columns as {{name}}")
+            directory = self.path_template.rsplit("/", 1)[0] if "/" in self.path_template else ""
+            if any(c in _literal(directory) for c in _GLOB_CHARS):
+                raise ValueError(
+                    f"path_template={self.path_template!r} has a wildcard in a folder name: only the file-name "
+                    "part may hold * or ?"
+                )
+        if self.max_side is not None and (isinstance(self.max_side, bool) or self.max_side < 8):
+            raise ValueError(f"max_side={self.max_side!r} is not valid: use a side of at least 8 pixels, or None")
+        if not 1 <= self.quality <= 100:
+            raise ValueError(f"quality={self.quality!r} is not valid: use 1..100")
+        if self.shard_bytes < 1:
+            raise ValueError(f"shard_bytes={self.shard_bytes!r} is not valid: use a positive size, e.g. 128 * 2**20")
+        if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 1:
+            raise ValueError(f"workers={self.workers!r} is not valid: use 1 or more processes")
+
+    @property
+    def template(self) -> str:
+        if self.path_template is not None:
+            return self.path_template
+        return "/".join("{" + c + "}" for c in self.path_columns) + self.suffix
+
+
+def _template_fields(template: str) -> list[str]:
+    try:
+        return [f for _, f, _, _ in string.Formatter().parse(template) if f]
+    except ValueError as exc:
+        raise ValueError(f"path_template={template!r} is not a valid format string ({exc})") from None
+
+
+def _literal(template: str) -> str:
+    return "".join(text for text, _, _, _ in string.Formatter().parse(template))
+
+
+@dataclass(frozen=True, kw_only=True)
+class SkippedRow:
+    """A CSV row that was not packed: ``line`` in the CSV file, image path, and why."""
+
+    line: int
+    path: str
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class PackSummary:
+    """What :func:`pack` did."""
+
+    out_dir: Path
+    num_rows: int
+    num_records: int
+    num_bytes: int
+    num_shards: int
+    num_shards_written: int
+    label_names: tuple[str, ...]
+    skipped: tuple[SkippedRow, ...]
+
+    @property
+    def num_skipped(self) -> int:
+        return len(self.skipped)
+
+    def describe(self, max_listed: int = 20) -> str:
+        lines = [
+            f"packed {self.num_records} of {self.num_rows} rows ({self.num_bytes / 2**20:.1f} MB of images) into "
+            f"{self.num_shards} shard(s) in {self.out_dir} ({self.num_shards_written} written, "
+            f"{self.num_shards - self.num_shards_written} already up to date); labels: "
+            + (", ".join(self.label_names) or "none")
+        ]
+        if self.skipped:
+            lines.append(f"skipped {self.num_skipped} row(s) (all listed in {self.out_dir / MANIFEST_NAME}):")
+            lines += [f"  line {s.line}: {s.path}: {s.reason}" for s in self.skipped[:max_listed]]
+            if self.num_skipped > max_listed:
+                lines.append(f"  ... and {self.num_skipped - max_listed} more")
+        return "\n".join(lines)
+
+
+class _Progress:
+    """One status line on stderr, redrawn in place on a terminal, every few seconds otherwise."""
+
+    def __init__(self, enabled: bool, total: int, what: str) -> None:
+        self.enabled, self.total, self.what = enabled, total, what
+        self.tty = enabled and sys.stderr.isatty()
+        self.started = self.last = time.perf_counter()
+
+    def update(self, done: int, extra: str = "", final: bool = False) -> None:
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        if not final and now - self.last < (0.5 if self.tty else 5.0):
+            return
+        self.last = now
+        rate = done / max(now - self.started, 1e-9)
+        line = f"{self.what}: {done:,}/{self.total:,}  {rate:,.0f}/s" + (f"  {extra}" if extra else "")
+        if self.tty:
+            print("\r" + line.ljust(79), end="\n" if final else "", file=sys.stderr, flush=True)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
+
+def _resolve_labels(patterns: Sequence[str], columns: Sequence[str], reserved: set[str]) -> tuple[str, ...]:
+    chosen: list[str] = []
+    for pattern in patterns:
+        if pattern in columns:
+            matches = [pattern]
+        else:
+            # Patterns never pick the path or group columns; name them explicitly to use them.
+            matches = [c for c in columns if fnmatch.fnmatchcase(c, pattern) and c not in reserved]
+        if not matches:
+            raise ValueError(f"label {pattern!r} matches no CSV column: the columns are {list(columns)}")
+        chosen += [m for m in matches if m not in chosen]
+    return tuple(c for c in columns if c in chosen)
+
+
+class _Folders:
+    """Folder listings for wildcard templates, cached because CSV rows cluster by folder."""
+
+    def __init__(self, root: Path, keep: int = 256) -> None:
+        self.root, self.keep = root, keep
+        self.cache: OrderedDict[str, list[str] | None] = OrderedDict()
+
+    def match(self, folder: str, pattern: str) -> tuple[str | None, str]:
+        """The one file in ``folder`` matching ``pattern``, or ``None`` and why not."""
+        names = self.cache.get(folder)
+        if folder in self.cache:
+            self.cache.move_to_end(folder)
+        else:
+            try:
+                names = sorted(os.listdir(self.root / folder))
+            except OSError:
+                names = None
+            self.cache[folder] = names
+            if len(self.cache) > self.keep:
+                self.cache.popitem(last=False)
+        if names is None:
+            return None, f"missing folder {folder or '.'}"
+        found = fnmatch.filter(names, pattern)
+        if len(found) != 1:
+            return None, ("no file matches" if not found else f"ambiguous: {len(found)} files match")
+        return (f"{folder}/{found[0]}" if folder else found[0]), ""
+
+
+def _check_image(path: str, max_side: int | None, quality: int) -> tuple[Any, ...]:
+    """Read and fully decode one image: ``("ok", bytes, h, w, channels)`` or ``("skip", reason)``."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return ("skip", "missing file")
+    except OSError as exc:
+        return ("skip", f"unreadable ({exc.strerror or exc})")
+    if not simplejpeg.is_jpeg(data):
+        return ("skip", "not a JPEG (or truncated): pack stores JPEG bytes; convert the image first")
+    try:
+        height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
+        channels = 1 if colorspace == "Gray" else 3
+        # strict: libjpeg's recoverable warnings (premature end, corrupt entropy data) are errors.
+        simplejpeg.decode_jpeg(data, colorspace="GRAY" if channels == 1 else "RGB", strict=True)
+    except ValueError as exc:
+        return ("skip", f"corrupt JPEG ({exc})")
+    if max_side is not None and max(height, width) > max_side:
+        scale = max_side / max(height, width)
+        size = (max(1, round(height * scale)), max(1, round(width * scale)))
+        image = decode(data, size=size, channels=channels, shape=(height, width))
+        data = simplejpeg.encode_jpeg(
+            image,
+            quality=quality,
+            colorspace="GRAY" if channels == 1 else "RGB",
+            colorsubsampling="Gray" if channels == 1 else "420",
+        )
+        height, width = size
+    return ("ok", data, height, width, channels)
+
+
+def _check_chunk(paths: list[str], max_side: int | None, quality: int) -> list[tuple[Any, ...]]:
+    return [_check_image(p, max_side, quality) for p in paths]
+
+
+def _checked(paths: list[str | None], opts: PackOptions) -> Iterator[tuple[Any, ...]]:
+    """Results for ``paths`` in order (``None`` -> not resolved), at most a few chunks in flight."""
+    chunks = [paths[i : i + _CHUNK] for i in range(0, len(paths), _CHUNK)]
+
+    def run(chunk: list[str | None]) -> list[tuple[Any, ...]]:
+        return _check_chunk([p for p in chunk if p is not None], opts.max_side, opts.quality)
+
+    def merge(chunk: list[str | None], results: list[tuple[Any, ...]]) -> Iterator[tuple[Any, ...]]:
+        it = iter(results)
+        for p in chunk:
+            yield ("unresolved",) if p is None else next(it)
+
+    if opts.workers == 1:
+        for chunk in chunks:
+            yield from merge(chunk, run(chunk))
+        return
+    with ProcessPoolExecutor(opts.workers) as pool:
+        pending: deque[tuple[list[str | None], Future[list[tuple[Any, ...]]]]] = deque()
+        for chunk in chunks:
+            pending.append((chunk, pool.submit(_check_chunk, [p for p in chunk if p is not None], opts.max_side, opts.quality)))
+            # Bounded: results hold image bytes, and the writer may be slower than the readers.
+            while len(pending) > 4 * opts.workers:
+                done, future = pending.popleft()
+                yield from merge(done, future.result())
+        while pending:
+            done, future = pending.popleft()
+            yield from merge(done, future.result())
+
+
+def _publish(path: Path) -> None:
+    # The atomic writer's temp file is private (0600); a dataset is read by other users and by
+    # training jobs running under other accounts.
+    os.chmod(path, 0o644)
+
+
+def pack(
+    csv_path: str | os.PathLike[str], image_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], **options: Any
+) -> PackSummary:
+    """Pack the images listed in ``csv_path`` (paths under ``image_dir``) into shards in ``out_dir``.
+
+    Args:
+        csv_path: one row per image.
+        image_dir: the folder image paths are relative to.
+        out_dir: the shard directory (created; an earlier pack there is updated in place).
+        **options: fields of :class:`PackOptions`.
+
+    Returns:
+        a :class:`PackSummary` (records, bytes, shards, skipped rows with reasons).
+
+    Example:
+        >>> pack("train.csv", "train/", "shards/",
+        ...      path_columns=["StudyInstanceUID", "SeriesInstanceUID", "SOPInstanceUID"], suffix=".jpg",
+        ...      labels=["pe_present_on_image", "*_pe"], group="StudyInstanceUID", workers=4)
+    """
+    opts = PackOptions(**options)
+    csv_path, image_dir, out_dir = Path(csv_path), Path(image_dir), Path(out_dir)
+    if not image_dir.is_dir():
+        raise ValueError(f"image folder {image_dir} does not exist: pass the folder the CSV's image paths are relative to")
+    try:
+        text = csv_path.read_text(encoding="utf-8-sig")  # Excel writes a byte-order mark
+    except FileNotFoundError:
+        raise ValueError(f"CSV file {csv_path} does not exist") from None
+    reader = csv.DictReader(io.StringIO(text, newline=""))
+    columns = list(reader.fieldnames or [])
+    template = opts.template
+    needed = _template_fields(template) + ([opts.group] if opts.group else [])
+    unknown = [c for c in needed if c not in columns]
+    if unknown:
+        raise ValueError(f"column(s) {unknown} are not in {csv_path}: its columns are {columns}")
+    label_names = _resolve_labels(opts.labels, columns, set(needed))
+    wildcard = any(c in _literal(template) for c in _GLOB_CHARS)
+    folders = _Folders(image_dir)
+
+    lines: list[int] = []
+    relative: list[str] = []
+    resolved: list[str | None] = []
+    unresolved: dict[int, str] = {}
+    labels: list[tuple[float, ...]] = []
+    groups: list[str] = []
+    for row in reader:
+        line = reader.line_num
+        values = {k: (v or "") for k, v in row.items() if k is not None}
+        rel = template.format(**values)
+        if wildcard:
+            pattern = template.format(**{k: glob.escape(v) for k, v in values.items()}).rpartition("/")[2]
+            match, why = folders.match(rel.rpartition("/")[0], pattern)
+            if match is None:
+                unresolved[len(resolved)] = why
+            rel = match or rel
+        row_labels = []
+        for name in label_names:
+            try:
+                row_labels.append(float(values[name]))
+            except ValueError:
+                raise ValueError(
+                    f"line {line} of {csv_path}: label column {name!r} holds {values[name]!r}, not a number. "
+                    "Choose numeric label columns (labels=...), or fix the row"
+                ) from None
+        lines.append(line)
+        relative.append(rel)
+        resolved.append(None if len(resolved) in unresolved else str(image_dir / rel))
+        labels.append(tuple(row_labels))
+        groups.append(values[opts.group] if opts.group else "")
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    progress = _Progress(opts.progress, len(resolved), "pack")
+    shards: list[dict[str, Any]] = []
+    skipped: list[SkippedRow] = []
+    current: list[ShardRecord] = []
+    current_bytes = written = num_bytes = 0
+
+    def flush() -> None:
+        nonlocal current, current_bytes, written
+        blob = encode_shard(current, label_names)
+        digest = hashlib.sha256(blob).hexdigest()
+        name = f"shard-{len(shards):05d}-{digest[:12]}{SHARD_SUFFIX}"
+        path = out_dir / name
+        # Named by content: a file of that name and size is this shard unless it rotted on disk.
+        if not (path.is_file() and path.stat().st_size == len(blob) and file_sha256(path) == digest):
+            _publish(atomic_write_bytes(path, blob))
+            written += 1
+        shards.append({"name": name, "num_records": len(current), "num_bytes": len(blob), "sha256": digest})
+        current, current_bytes = [], 0
+
+    for i, result in enumerate(_checked(resolved, opts)):
+        if result[0] != "ok":
+            reason = unresolved.get(i, "missing file") if result[0] == "unresolved" else result[1]
+            skipped.append(SkippedRow(line=lines[i], path=relative[i], reason=reason))
+        else:
+            _, data, height, width, channels = result
+            if current and current_bytes + len(data) > opts.shard_bytes:
+                flush()
+            current.append(
+                ShardRecord(data=data, labels=labels[i], group=groups[i], path=relative[i], height=height, width=width, channels=channels)
+            )
+            current_bytes += len(data)
+            num_bytes += len(data)
+        progress.update(i + 1, f"{num_bytes / 2**20:,.1f} MB  {len(skipped)} skipped")
+    if current:
+        flush()
+    progress.update(len(resolved), f"{num_bytes / 2**20:,.1f} MB  {len(skipped)} skipped", final=True)
+
+    manifest = {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "num_records": sum(s["num_records"] for s in shards),
+        "num_image_bytes": num_bytes,
+        "label_names": list(label_names),
+        "group_column": opts.group,
+        "path_template": template,
+        "max_side": opts.max_side,
+        "quality": opts.quality if opts.max_side is not None else None,
+        "shard_bytes": opts.shard_bytes,
+        "shards": shards,
+        "num_skipped": len(skipped),
+        "skipped": [{"line": s.line, "path": s.path, "reason": s.reason} for s in skipped],
+    }
+    manifest_text = json.dumps(manifest, indent=1) + "\n"
+    manifest_path = out_dir / MANIFEST_NAME
+    if not (manifest_path.is_file() and manifest_path.read_text() == manifest_text):
+        _publish(atomic_write_text(manifest_path, manifest_text))
+    # Only after the new manifest is in place: shards of an earlier pack that it no longer names.
+    keep = {s["name"] for s in shards}
+    for stale in out_dir.glob(f"shard-*{SHARD_SUFFIX}"):
+        if stale.name not in keep:
+            stale.unlink()
+    return PackSummary(
+        out_dir=out_dir,
+        num_rows=len(resolved),
+        num_records=manifest["num_records"],
+        num_bytes=num_bytes,
+        num_shards=len(shards),
+        num_shards_written=written,
+        label_names=label_names,
+        skipped=tuple(skipped),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Verification
+
+
+@dataclass(frozen=True, kw_only=True)
+class VerifyReport:
+    """What :func:`verify` found; ``ok`` when ``problems`` is empty."""
+
+    root: Path
+    num_shards: int
+    num_records: int
+    problems: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def describe(self, max_listed: int = 50) -> str:
+        head = f"{self.root}: {self.num_shards} shard(s), {self.num_records} records checked"
+        if self.ok:
+            return head + ": every checksum matches and every record decodes"
+        lines = [head + f": {len(self.problems)} problem(s)"] + [f"  {p}" for p in self.problems[:max_listed]]
+        if len(self.problems) > max_listed:
+            lines.append(f"  ... and {len(self.problems) - max_listed} more")
+        lines.append("Re-run `xlatrain pack` on the source data (or restore the shards) to repair them.")
+        return "\n".join(lines)
+
+
+def _verify_shard(root: str, entry: dict[str, Any]) -> tuple[int, list[str]]:
+    path = Path(root) / entry["name"]
+    try:
+        index = read_shard_index(path, expected_bytes=int(entry["num_bytes"]))
+    except ShardError as exc:
+        return 0, [str(exc)]
+    problems = []
+    digest = file_sha256(path)
+    if digest != entry["sha256"]:
+        problems.append(f"shard {entry['name']} fails its checksum (SHA-256 {digest[:16]}..., the manifest says {entry['sha256'][:16]}...)")
+    if index.num_records != int(entry["num_records"]):
+        problems.append(f"shard {entry['name']} holds {index.num_records} records, the manifest says {entry['num_records']}")
+    with open(path, "rb") as f:
+        for i in range(index.num_records):
+            f.seek(index.starts[i])
+            data = f.read(int(index.starts[i + 1] - index.starts[i]))
+            where = f"shard {entry['name']} record {i} (source {index.paths[i]})"
+            if zlib.crc32(data) != int(index.crc32[i]):
+                problems.append(f"{where}: CRC32 checksum mismatch")
+                continue
+            try:
+                h, w, _, _ = simplejpeg.decode_jpeg_header(data)
+                simplejpeg.decode_jpeg(data, colorspace="GRAY" if index.channels[i] == 1 else "RGB", strict=True)
+            except ValueError as exc:
+                problems.append(f"{where}: cannot decode ({exc})")
+                continue
+            if (h, w) != (index.height[i], index.width[i]):
+                problems.append(f"{where}: decodes to {h}x{w}, the index says {index.height[i]}x{index.width[i]}")
+    return index.num_records, problems
+
+
+def verify(root: str | os.PathLike[str], *, workers: int = 1, progress: bool = False) -> VerifyReport:
+    """Re-check every shard's size and SHA-256 and every record's CRC32, and decode every record.
+
+    Example:
+        >>> report = verify("shards/")
+        >>> print(report.describe()); assert report.ok
+    """
+    if workers < 1:
+        raise ValueError(f"workers={workers!r} is not valid: use 1 or more processes")
+    root = Path(root)
+    manifest = read_manifest(root)
+    entries = manifest["shards"]
+    bar = _Progress(progress, len(entries), "verify (shards)")
+    problems: list[str] = []
+    num_records = 0
+    if workers == 1:
+        results: Iterator[tuple[int, list[str]]] = (_verify_shard(str(root), e) for e in entries)
+        pool = None
+    else:
+        pool = ProcessPoolExecutor(workers)
+        results = pool.map(_verify_shard, [str(root)] * len(entries), entries)
+    try:
+        for done, (count, found) in enumerate(results, start=1):
+            num_records += count
+            problems += found
+            bar.update(done, f"{len(problems)} problem(s)")
+    finally:
+        if pool is not None:
+            pool.shutdown()
+    bar.update(len(entries), f"{len(problems)} problem(s)", final=True)
+    if not problems and num_records != manifest["num_records"]:
+        problems.append(f"the shards hold {num_records} records, the manifest says {manifest['num_records']}")
+    return VerifyReport(root=root, num_shards=len(entries), num_records=num_records, problems=tuple(problems))
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+
+
+def add_pack_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``xlatrain pack`` on an ``argparse`` subparsers object; its handler returns an exit code."""
+    parser = subparsers.add_parser(
+        "pack",
+        help="pack an image folder + CSV into shards (or --verify a shard directory)",
+        description=__doc__.split("\n\n")[0],
+        epilog=(
+            "example: xlatrain pack --csv train.csv --images train --out shards "
+            "--path-columns StudyInstanceUID SeriesInstanceUID SOPInstanceUID --suffix .jpg "
+            "--labels pe_present_on_image '*_pe' --group StudyInstanceUID --workers 4"
+        ),
+    )
+    parser.add_argument("--csv", help="CSV file with one row per image")
+    parser.add_argument("--images", help="folder the CSV's image paths are relative to")
+    parser.add_argument("--out", help="shard directory to write (an earlier pack there is updated)")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--path-columns", nargs="+", metavar="COLUMN", help="columns joined with / into each image path")
+    where.add_argument("--path-column", metavar="COLUMN", help="one column holding each image's relative path")
+    where.add_argument(
+        "--path-template",
+        metavar="TEMPLATE",
+        help="e.g. '{StudyInstanceUID}/{SeriesInstanceUID}/*{SOPInstanceUID}.jpg' (* or ? allowed in the file name)",
+    )
+    parser.add_argument("--suffix", default="", help="appended to --path-columns / --path-column, e.g. .jpg")
+    parser.add_argument("--labels", nargs="+", default=[], metavar="NAME", help="label columns: names or patterns ('*_pe')")
+    parser.add_argument("--group", metavar="COLUMN", help="group key column for leakage-free splits, e.g. StudyInstanceUID")
+    parser.add_argument("--max-side", type=int, help="re-encode images larger than this (longer side, pixels)")
+    parser.add_argument("--quality", type=int, default=95, help="JPEG quality when re-encoding (default 95)")
+    parser.add_argument("--shard-mb", type=float, default=128.0, help="target shard size in MB (default 128)")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes (default: all cores)")
+    parser.add_argument("--verify", metavar="DIR", help="check every checksum and decode every record of DIR, then exit")
+    parser.add_argument("--quiet", action="store_true", help="no progress line")
+    parser.set_defaults(func=run_pack_command)
+    return parser
+
+
+def run_pack_command(args: argparse.Namespace) -> int:
+    """The ``xlatrain pack`` handler: 0 on success, 1 when nothing was packed or verify found problems."""
+    if args.verify:
+        report = verify(args.verify, workers=args.workers, progress=not args.quiet)
+        print(report.describe(), file=sys.stderr)
+        return 0 if report.ok else 1
+    missing = [flag for flag, value in (("--csv", args.csv), ("--images", args.images), ("--out", args.out)) if not value]
+    if missing:
+        raise ValueError(f"xlatrain pack needs {' '.join(missing)} (or --verify DIR to check a shard directory)")
+    if args.path_template:
+        where: dict[str, Any] = {"path_template": args.path_template}
+    elif args.path_column:
+        where = {"path_columns": [args.path_column], "suffix": args.suffix}
+    elif args.path_columns:
+        where = {"path_columns": args.path_columns, "suffix": args.suffix}
+    else:
+        raise ValueError("say where each image is: --path-columns A B C (--suffix .jpg), --path-column COL or --path-template")
+    labels = [part for item in args.labels for part in item.split(",") if part]
+    summary = pack(
+        args.csv,
+        args.images,
+        args.out,
+        **where,
+        labels=labels,
+        group=args.group,
+        max_side=args.max_side,
+        quality=args.quality,
+        shard_bytes=int(args.shard_mb * 2**20),
+        workers=args.workers,
+        progress=not args.quiet,
+    )
+    print(summary.describe(), file=sys.stderr)
+    return 0 if summary.num_records > 0 else 1

@@ -1,0 +1,957 @@
+"""Packed image shards: the file format, and :class:`ShardDataset`, a reader that feeds the Trainer.
+
+A shard directory (written by :func:`xlatrain.data.pack.pack`, ``xlatrain pack``) holds
+``manifest.json`` and shard files ``shard-NNNNN-<sha256 prefix>.xshard``. A shard file is::
+
+    b"XLSHARD1" | the records' encoded JPEG bytes, back to back | tables | meta JSON | trailer
+
+where the tables are little-endian arrays (per record: start offsets, CRC32, height, width,
+channels, float32 labels), the meta JSON names them and holds each record's group key and source
+path, and the 24-byte trailer is ``<u64 meta offset, u64 meta length, b"XLSHEND1">``. The manifest
+lists every shard with its record count, size and SHA-256. Nothing is unpickled.
+
+:class:`ShardDataset` implements :class:`~xlatrain.data.source.BatchSource`: it splits records over
+processes itself, decodes whole batches (in DataLoader worker processes when ``num_workers > 0``)
+and yields uint8 ``(B, C, H, W)`` images; convert them on the device with
+:func:`normalize_on_device` or :class:`NormalizeInput`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import struct
+import warnings
+import zlib
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+
+from xlatrain.data.decode import as_size, decode, rotate, to_tensor
+from xlatrain.data.sampling import EvalSampler
+from xlatrain.data.source import train_steps_per_epoch
+
+MANIFEST_NAME = "manifest.json"
+FORMAT_NAME = "xlatrain-shards"
+FORMAT_VERSION = 1
+SHARD_SUFFIX = ".xshard"
+SHARD_MAGIC = b"XLSHARD1"
+TRAILER_MAGIC = b"XLSHEND1"
+_TRAILER = struct.Struct("<QQ8s")
+_ON_ERROR = ("raise", "skip")
+_TARGETS = ("float", "long")
+
+
+class ShardError(ValueError):
+    """A shard (or a record in it) is missing, truncated, corrupt or fails its checksum."""
+
+
+# --------------------------------------------------------------------------------------------
+# File format
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardRecord:
+    """One record as :func:`encode_shard` writes it and :func:`iter_records` reads it back."""
+
+    data: bytes
+    labels: tuple[float, ...]
+    group: str
+    path: str
+    height: int
+    width: int
+    channels: int
+
+
+def encode_shard(records: Sequence[ShardRecord], label_names: Sequence[str]) -> bytes:
+    """The bytes of one shard file holding ``records`` (deterministic: same records, same bytes)."""
+    num = len(records)
+    parts: list[bytes] = [SHARD_MAGIC]
+    pos = len(SHARD_MAGIC)
+    starts = np.empty(num + 1, dtype="<i8")
+    for i, rec in enumerate(records):
+        starts[i] = pos
+        parts.append(rec.data)
+        pos += len(rec.data)
+    starts[num] = pos
+    columns = {
+        "starts": starts,
+        "crc32": np.array([zlib.crc32(r.data) for r in records], dtype="<u4"),
+        "height": np.array([r.height for r in records], dtype="<i4"),
+        "width": np.array([r.width for r in records], dtype="<i4"),
+        "channels": np.array([r.channels for r in records], dtype="<i4"),
+        "labels": np.array([r.labels for r in records], dtype="<f4").reshape(num, len(label_names)),
+    }
+    tables = {}
+    for name, array in columns.items():
+        pad = -pos % 8  # aligned tables can be viewed in place by numpy
+        parts.append(b"\0" * pad)
+        pos += pad
+        tables[name] = [pos, array.dtype.str, list(array.shape)]
+        parts.append(array.tobytes())
+        pos += array.nbytes
+    meta = {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "num_records": num,
+        "label_names": list(label_names),
+        "tables": tables,
+        "groups": [r.group for r in records],
+        "paths": [r.path for r in records],
+    }
+    meta_bytes = json.dumps(meta, separators=(",", ":"), ensure_ascii=False).encode()
+    parts.append(meta_bytes)
+    parts.append(_TRAILER.pack(pos, len(meta_bytes), TRAILER_MAGIC))
+    return b"".join(parts)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardIndex:
+    """The parsed index of one shard file."""
+
+    name: str
+    num_records: int
+    starts: np.ndarray  # int64 [N + 1]: record i is bytes [starts[i], starts[i + 1])
+    crc32: np.ndarray
+    height: np.ndarray
+    width: np.ndarray
+    channels: np.ndarray
+    labels: np.ndarray  # float32 [N, L]
+    label_names: tuple[str, ...]
+    groups: list[str] = field(repr=False)
+    paths: list[str] = field(repr=False)
+
+
+def _repair_hint(root: Path | str) -> str:
+    return (
+        f"Run `xlatrain pack --verify {root}` to check every shard; re-run `xlatrain pack` (or restore "
+        "the file) to repair it, or pass on_error='skip' to read the rest"
+    )
+
+
+def read_shard_index(path: str | os.PathLike[str], *, expected_bytes: int | None = None) -> ShardIndex:
+    """Parse a shard file's index (not its images); ``ShardError`` names the shard on any defect."""
+    path = Path(path)
+    name = path.name
+
+    def bad(problem: str) -> ShardError:
+        return ShardError(f"shard {name} is {problem}")
+
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise bad("missing") from None
+    except OSError as exc:
+        raise bad(f"unreadable ({exc.strerror})") from None
+    try:
+        size = os.fstat(fd).st_size
+        if expected_bytes is not None and size != expected_bytes:
+            what = "truncated" if size < expected_bytes else "longer than expected"
+            raise bad(f"{what}: {size} bytes on disk, the manifest says {expected_bytes}")
+        if size < len(SHARD_MAGIC) + _TRAILER.size or os.pread(fd, len(SHARD_MAGIC), 0) != SHARD_MAGIC:
+            raise bad("not an xlatrain shard (bad header)")
+        meta_start, meta_len, magic = _TRAILER.unpack(os.pread(fd, _TRAILER.size, size - _TRAILER.size))
+        if magic != TRAILER_MAGIC or meta_start + meta_len != size - _TRAILER.size:
+            raise bad("truncated or corrupt (no valid end marker)")
+        try:
+            meta = json.loads(os.pread(fd, meta_len, meta_start))
+            num = int(meta["num_records"])
+            arrays = {}
+            for key, (start, dtype, shape) in meta["tables"].items():
+                dt = np.dtype(dtype)
+                nbytes = dt.itemsize * math.prod(shape)
+                if start < len(SHARD_MAGIC) or start + nbytes > meta_start:
+                    raise ValueError(f"table {key} lies outside the file")
+                arrays[key] = np.frombuffer(os.pread(fd, nbytes, start), dtype=dt).reshape(shape)
+            starts = arrays["starts"].astype(np.int64)
+            index = ShardIndex(
+                name=name,
+                num_records=num,
+                starts=starts,
+                crc32=arrays["crc32"].astype(np.uint32),
+                height=arrays["height"].astype(np.int64),
+                width=arrays["width"].astype(np.int64),
+                channels=arrays["channels"].astype(np.int64),
+                labels=arrays["labels"].astype(np.float32),
+                label_names=tuple(meta["label_names"]),
+                groups=list(meta["groups"]),
+                paths=list(meta["paths"]),
+            )
+        except (ValueError, KeyError, TypeError) as exc:  # JSONDecodeError is a ValueError
+            raise bad(f"corrupt (unreadable index: {exc})") from None
+        sizes_ok = (
+            len(starts) == num + 1
+            and all(len(a) == num for a in (index.crc32, index.height, index.width, index.channels, index.labels))
+            and len(index.groups) == len(index.paths) == num
+            and index.labels.shape[1:] == (len(index.label_names),)
+        )
+        if not sizes_ok or (num and (starts[0] < len(SHARD_MAGIC) or np.any(np.diff(starts) < 0))):
+            raise bad("corrupt (inconsistent index)")
+        return index
+    finally:
+        os.close(fd)
+
+
+def read_manifest(root: str | os.PathLike[str]) -> dict[str, Any]:
+    """The manifest of a shard directory, checked for format and version."""
+    path = Path(root) / MANIFEST_NAME
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{path} does not exist: pack a dataset into {root} with `xlatrain pack` first") from None
+    except json.JSONDecodeError as exc:
+        raise ShardError(f"{path} is corrupt ({exc}): re-run `xlatrain pack` to rewrite it") from None
+    if manifest.get("format") != FORMAT_NAME or manifest.get("version") != FORMAT_VERSION:
+        raise ValueError(
+            f"{path} is not an xlatrain shard manifest of version {FORMAT_VERSION} "
+            f"(format={manifest.get('format')!r}, version={manifest.get('version')!r}): re-pack with this xlatrain"
+        )
+    return manifest
+
+
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(8 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def iter_records(root: str | os.PathLike[str]) -> Iterator[ShardRecord]:
+    """Every record of a shard directory in manifest order, with its stored bytes.
+
+    Raises ``ShardError`` for a missing or truncated shard; bytes are returned as stored (check
+    them with :func:`xlatrain.data.pack.verify`).
+    """
+    root = Path(root)
+    manifest = read_manifest(root)
+    for entry in manifest["shards"]:
+        index = read_shard_index(root / entry["name"], expected_bytes=entry["num_bytes"])
+        with open(root / entry["name"], "rb") as f:
+            for i in range(index.num_records):
+                f.seek(index.starts[i])
+                yield ShardRecord(
+                    data=f.read(int(index.starts[i + 1] - index.starts[i])),
+                    labels=tuple(float(v) for v in index.labels[i]),
+                    group=index.groups[i],
+                    path=index.paths[i],
+                    height=int(index.height[i]),
+                    width=int(index.width[i]),
+                    channels=int(index.channels[i]),
+                )
+
+
+# --------------------------------------------------------------------------------------------
+# Reader configuration
+
+
+@dataclass(frozen=True, kw_only=True)
+class Augment:
+    """uint8 training augmentations, drawn per record from ``(seed, epoch, record)``.
+
+    Attributes:
+        crop_scale: ``(min, max)`` fraction of the image area for a random resized crop (as
+            torchvision's ``RandomResizedCrop``); ``None`` disables cropping.
+        crop_ratio: ``(min, max)`` aspect ratio of the crop.
+        hflip: probability of a horizontal flip.
+        vflip: probability of a vertical flip.
+        rotate_degrees: rotate by an angle drawn uniformly from ``[-rotate_degrees, rotate_degrees]``.
+    """
+
+    crop_scale: tuple[float, float] | None = None
+    crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    hflip: float = 0.0
+    vflip: float = 0.0
+    rotate_degrees: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.crop_scale is not None:
+            lo, hi = self.crop_scale
+            if not 0 < lo <= hi <= 1:
+                raise ValueError(f"crop_scale={self.crop_scale} is not valid: use (min, max) with 0 < min <= max <= 1")
+            object.__setattr__(self, "crop_scale", (float(lo), float(hi)))
+        lo, hi = self.crop_ratio
+        if not 0 < lo <= hi:
+            raise ValueError(f"crop_ratio={self.crop_ratio} is not valid: use (min, max) with 0 < min <= max")
+        object.__setattr__(self, "crop_ratio", (float(lo), float(hi)))
+        for name in ("hflip", "vflip"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not valid: it is a probability in [0, 1]")
+        if not 0 <= self.rotate_degrees <= 180:
+            raise ValueError(f"rotate_degrees={self.rotate_degrees!r} is not valid: use an angle in [0, 180]")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardOptions:
+    """How :class:`ShardDataset` reads and decodes.
+
+    Attributes:
+        image_size: output ``(height, width)`` or an int for a square; ``None`` keeps the stored
+            size (every record must then have the same one).
+        channels: 1 (grayscale) or 3 (RGB).
+        labels: label columns to return as targets, by name (default: all packed labels).
+        target: ``"float"`` (a ``[B, L]`` float32 tensor, for multi-label / BCE) or ``"long"``
+            (class ids ``[B]`` from a single integer label column, for cross-entropy).
+        augment: training augmentations (:class:`Augment`); evaluation never augments.
+        shuffle: shuffle training records each epoch.
+        shuffle_window: records are read in a seeded random shard order and shuffled within a
+            sliding window of about this many records (each moves at most this far), which keeps
+            reads local to a few shards; ``None`` is a full uniform shuffle.
+        num_workers: DataLoader worker processes that decode batches (0 decodes in this one).
+        prefetch_batches: batches each worker decodes ahead.
+        pin_memory: pin host batches (for CUDA).
+        on_error: ``"raise"`` (a ``ShardError`` naming the shard and record) or ``"skip"`` (a bad
+            record is replaced in training by another record of its batch and masked out of
+            evaluation; a shard whose index is unreadable is left out; all are counted in
+            :attr:`ShardDataset.num_skipped`).
+        verify_checksums: hash every shard at open and compare with the manifest (reads all the
+            data once); records are always checked against their CRC32 when read.
+    """
+
+    image_size: int | tuple[int, int] | None = None
+    channels: int = 3
+    labels: tuple[str, ...] | None = None
+    target: str = "float"
+    augment: Augment | None = None
+    shuffle: bool = True
+    shuffle_window: int | None = 16384
+    num_workers: int = 0
+    prefetch_batches: int = 2
+    pin_memory: bool = False
+    on_error: str = "raise"
+    verify_checksums: bool = False
+
+    def __post_init__(self) -> None:
+        if self.image_size is not None:
+            object.__setattr__(self, "image_size", as_size(self.image_size, "image_size"))
+        if self.channels not in (1, 3):
+            raise ValueError(f"channels={self.channels!r} is not valid: use 1 (grayscale) or 3 (RGB)")
+        if self.labels is not None:
+            labels = (self.labels,) if isinstance(self.labels, str) else tuple(self.labels)
+            object.__setattr__(self, "labels", labels)
+        if self.target not in _TARGETS:
+            raise ValueError(f"target={self.target!r} is not valid: use 'float' (multi-label) or 'long' (class ids)")
+        if self.augment is not None and not isinstance(self.augment, Augment):
+            raise ValueError(f"augment={self.augment!r} is not valid: pass an Augment(...) or None")
+        if self.shuffle_window is not None and (isinstance(self.shuffle_window, bool) or self.shuffle_window < 1):
+            raise ValueError(f"shuffle_window={self.shuffle_window!r} is not valid: use a record count >= 1, or None")
+        for name, minimum in (("num_workers", 0), ("prefetch_batches", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"{name}={value!r} is not valid: it must be an integer >= {minimum}")
+        if self.on_error not in _ON_ERROR:
+            raise ValueError(f"on_error={self.on_error!r} is not valid: use 'raise' or 'skip'")
+
+
+# --------------------------------------------------------------------------------------------
+# Per-record randomness: a counter-based hash, so a record's augmentation depends only on
+# (seed, epoch, record) -- not on which worker decodes it, nor on where a resumed run starts.
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(z: int) -> int:
+    z = (z + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+class _Uniforms:
+    def __init__(self, *keys: int) -> None:
+        state = 0x243F6A8885A308D3
+        for key in keys:
+            state = _mix64(state ^ (key & _MASK64))
+        self._state = state
+
+    def __call__(self, lo: float = 0.0, hi: float = 1.0) -> float:
+        self._state = _mix64(self._state)
+        return lo + (hi - lo) * (self._state >> 11) * 2.0**-53
+
+
+def _crop_box(rand: _Uniforms, height: int, width: int, aug: Augment) -> tuple[int, int, int, int]:
+    """torchvision's RandomResizedCrop box: ``(top, left, h, w)``."""
+    assert aug.crop_scale is not None
+    area = height * width
+    log_lo, log_hi = math.log(aug.crop_ratio[0]), math.log(aug.crop_ratio[1])
+    for _ in range(10):
+        target = area * rand(*aug.crop_scale)
+        aspect = math.exp(rand(log_lo, log_hi))
+        w, h = round(math.sqrt(target * aspect)), round(math.sqrt(target / aspect))
+        if 0 < w <= width and 0 < h <= height:
+            return int(rand() * (height - h + 1)), int(rand() * (width - w + 1)), h, w
+    ratio = width / height
+    if ratio < aug.crop_ratio[0]:
+        w, h = width, round(width / aug.crop_ratio[0])
+    elif ratio > aug.crop_ratio[1]:
+        h, w = height, round(height * aug.crop_ratio[1])
+    else:
+        h, w = height, width
+    return (height - h) // 2, (width - w) // 2, h, w
+
+
+# --------------------------------------------------------------------------------------------
+# Batch decoding (runs in DataLoader workers)
+
+
+class _Task(NamedTuple):
+    positions: np.ndarray  # dataset positions of the batch's rows
+    valid: np.ndarray | None  # evaluation: which rows are real (None in training)
+    epoch: int
+    seed: int
+
+
+class _BadRecord(Exception):
+    pass
+
+
+def _no_collate(batch: Any) -> Any:
+    return batch
+
+
+@dataclass(kw_only=True)
+class _Index:
+    """Every manifest record (rows of dropped shards have ``length == -1``)."""
+
+    root: Path
+    shard_names: list[str]
+    shard: np.ndarray
+    local: np.ndarray
+    start: np.ndarray
+    length: np.ndarray
+    crc32: np.ndarray
+    height: np.ndarray
+    width: np.ndarray
+    channels: np.ndarray
+    labels: np.ndarray
+    label_names: tuple[str, ...]
+    group_codes: np.ndarray
+    group_names: list[str]
+    dropped: list[tuple[str, int, str]]  # (shard, records, reason) left out under on_error="skip"
+
+
+class _BatchReader:
+    """Decodes one batch per call; picklable (open files are per process)."""
+
+    def __init__(self, index: _Index, ids: np.ndarray, targets: torch.Tensor, options: ShardOptions, size: tuple[int, int]) -> None:
+        self.index = index
+        self.ids = ids
+        self.targets = targets
+        self.options = options
+        self.size = size
+        self._fds: dict[int, int] = {}
+        self._pid = os.getpid()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_fds"] = {}
+        return state
+
+    def __del__(self) -> None:
+        if getattr(self, "_pid", None) == os.getpid():
+            for fd in getattr(self, "_fds", {}).values():
+                os.close(fd)
+
+    def _fd(self, shard: int) -> int:
+        if self._pid != os.getpid():
+            # A forked worker: pread never moves a shared offset, but the parent may close its
+            # descriptors at any time, so the child keeps its own.
+            self._fds, self._pid = {}, os.getpid()
+        fd = self._fds.get(shard)
+        if fd is None:
+            path = self.index.root / self.index.shard_names[shard]
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError as exc:
+                raise _BadRecord(f"cannot open the shard ({exc.strerror})") from None
+            self._fds[shard] = fd
+        return fd
+
+    def record_bytes(self, gid: int) -> bytes:
+        ix = self.index
+        length = int(ix.length[gid])
+        if length < 0:
+            raise _BadRecord("its shard could not be opened")
+        data = os.pread(self._fd(int(ix.shard[gid])), length, int(ix.start[gid]))
+        if len(data) != length:
+            raise _BadRecord(f"the shard is truncated ({len(data)} of {length} bytes readable)")
+        if zlib.crc32(data) != int(ix.crc32[gid]):
+            raise _BadRecord("CRC32 checksum mismatch (the stored bytes changed)")
+        return data
+
+    def decode_one(self, gid: int, rand: _Uniforms | None) -> np.ndarray:
+        """``(H, W, C)`` uint8 with C = 1 for a grayscale record even when 3 channels are wanted:
+        the caller broadcasts it, which is cheaper than libjpeg's grey-to-RGB conversion."""
+        ix, opts = self.index, self.options
+        data = self.record_bytes(gid)
+        shape = (int(ix.height[gid]), int(ix.width[gid]))
+        channels = 1 if ix.channels[gid] == 1 else opts.channels
+        aug = opts.augment if rand is not None else None
+        try:
+            if aug is not None and aug.crop_scale is not None:
+                box = _crop_box(rand, shape[0], shape[1], aug)  # type: ignore[arg-type]
+                image = decode(data, size=self.size, crop=box, channels=channels, shape=shape)
+            else:
+                image = decode(data, size=self.size, channels=channels, shape=shape)
+        except ValueError as exc:
+            raise _BadRecord(f"cannot decode the JPEG ({exc})") from None
+        if aug is not None:
+            if aug.rotate_degrees:
+                image = rotate(image, rand(-aug.rotate_degrees, aug.rotate_degrees))  # type: ignore[misc]
+            if aug.hflip and rand() < aug.hflip:  # type: ignore[misc]
+                image = image[:, ::-1]
+            if aug.vflip and rand() < aug.vflip:  # type: ignore[misc]
+                image = image[::-1]
+        return image
+
+    def describe(self, gid: int) -> str:
+        ix = self.index
+        shard = ix.shard_names[int(ix.shard[gid])]
+        try:
+            path = read_shard_index(ix.root / shard).paths[int(ix.local[gid])]
+        except ShardError:
+            path = "unknown"
+        return f"record {int(ix.local[gid])} of shard {shard} (source {path})"
+
+    def __getitem__(self, task: _Task) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, tuple[tuple[int, str], ...]]:
+        opts = self.options
+        training = task.valid is None
+        num = len(task.positions)
+        images = torch.empty((num, opts.channels, *self.size), dtype=torch.uint8)
+        # Rows are filled through numpy: torch's strided HWC -> CHW copy is several times slower.
+        rows = images.numpy()
+        valid = None if training else torch.from_numpy(task.valid.copy())
+        bad_rows, skipped = [], []
+        for row, pos in enumerate(task.positions.tolist()):
+            gid = int(self.ids[pos])
+            rand = _Uniforms(task.seed, task.epoch, gid) if training and opts.augment is not None else None
+            try:
+                image = self.decode_one(gid, rand)
+            except _BadRecord as exc:
+                if opts.on_error == "raise":
+                    raise ShardError(f"{self.describe(gid)}: {exc}. {_repair_hint(self.index.root)}") from None
+                bad_rows.append(row)
+                skipped.append((gid, str(exc)))
+                continue
+            rows[row] = image.transpose(2, 0, 1)  # (1, H, W) broadcasts to 3 channels
+        if bad_rows:
+            good = sorted(set(range(num)) - set(bad_rows))
+            if training:
+                if not good:
+                    raise ShardError(
+                        f"every record of a training batch failed (first: {self.describe(int(self.ids[task.positions[0]]))}: "
+                        f"{skipped[0][1]}). {_repair_hint(self.index.root)}"
+                    )
+                # Keep the batch full (static shapes): a bad row repeats a good row of the batch.
+                for row in bad_rows:
+                    images[row] = images[max((g for g in good if g < row), default=good[0])]
+            else:
+                for row in bad_rows:
+                    images[row].zero_()
+                    valid[row] = False  # type: ignore[index]
+        targets = self.targets[torch.from_numpy(task.positions)]
+        if training and bad_rows:
+            targets = targets.clone()
+            for row in bad_rows:
+                targets[row] = targets[max((g for g in good if g < row), default=good[0])]
+        return images, targets, valid, tuple(skipped)
+
+
+class _Plan(torch.utils.data.Sampler[_Task]):
+    """The tasks of the current pass; the persistent DataLoader reads it at each ``iter()``."""
+
+    def __init__(self) -> None:
+        self.tasks: list[_Task] = []
+
+    def __iter__(self) -> Iterator[_Task]:
+        return iter(self.tasks)
+
+    def __len__(self) -> int:
+        return len(self.tasks)
+
+
+# --------------------------------------------------------------------------------------------
+# The dataset
+
+
+def _open_index(root: Path, options: ShardOptions) -> _Index:
+    manifest = read_manifest(root)
+    label_names = tuple(manifest["label_names"])
+    entries = manifest["shards"]
+    total = sum(int(e["num_records"]) for e in entries)
+    num_labels = len(label_names)
+    ix = _Index(
+        root=root,
+        shard_names=[e["name"] for e in entries],
+        shard=np.zeros(total, dtype=np.int64),
+        local=np.zeros(total, dtype=np.int64),
+        start=np.zeros(total, dtype=np.int64),
+        length=np.full(total, -1, dtype=np.int64),
+        crc32=np.zeros(total, dtype=np.uint32),
+        height=np.zeros(total, dtype=np.int64),
+        width=np.zeros(total, dtype=np.int64),
+        channels=np.zeros(total, dtype=np.int64),
+        labels=np.zeros((total, num_labels), dtype=np.float32),
+        label_names=label_names,
+        group_codes=np.full(total, -1, dtype=np.int64),
+        group_names=[],
+        dropped=[],
+    )
+    codes: dict[str, int] = {}
+    lo = 0
+    for s, entry in enumerate(entries):
+        n = int(entry["num_records"])
+        try:
+            if options.verify_checksums and (root / entry["name"]).exists():
+                digest = file_sha256(root / entry["name"])
+                if digest != entry["sha256"]:
+                    raise ShardError(
+                        f"shard {entry['name']} fails its checksum (SHA-256 {digest[:16]}..., the manifest says "
+                        f"{entry['sha256'][:16]}...)"
+                    )
+            shard = read_shard_index(root / entry["name"], expected_bytes=int(entry["num_bytes"]))
+            if shard.num_records != n or shard.label_names != label_names:
+                raise ShardError(f"shard {entry['name']} does not match the manifest (records or label names differ)")
+        except ShardError as exc:
+            if options.on_error == "raise":
+                raise ShardError(f"{exc}. {_repair_hint(root)}") from None
+            ix.dropped.append((entry["name"], n, str(exc)))
+            warnings.warn(f"on_error='skip': leaving out the {n} records of {exc}", stacklevel=3)
+            lo += n
+            continue
+        rows = slice(lo, lo + n)
+        ix.shard[rows] = s
+        ix.local[rows] = np.arange(n)
+        ix.start[rows] = shard.starts[:-1]
+        ix.length[rows] = np.diff(shard.starts)
+        ix.crc32[rows] = shard.crc32
+        ix.height[rows] = shard.height
+        ix.width[rows] = shard.width
+        ix.channels[rows] = shard.channels
+        ix.labels[rows] = shard.labels
+        ix.group_codes[rows] = [codes.setdefault(g, len(codes)) for g in shard.groups]
+        lo += n
+    ix.group_names = list(codes)
+    return ix
+
+
+class ShardDataset:
+    """Packed shards as a :class:`~xlatrain.data.source.BatchSource`: uint8 image batches + targets.
+
+    Each process reads its own part of every global batch (disjoint, complete per epoch; the
+    records that do not fill a whole global batch are left out of that epoch, as with the
+    Trainer's sampler); the epoch order is a function of ``(seed, epoch)`` alone, so two runs
+    agree and a run resumed at ``start_step`` yields exactly what it would have. Evaluation
+    covers every record once, padded to full batches with a ``valid`` mask.
+
+    Args:
+        root: a directory written by ``xlatrain pack``.
+        indices: manifest record numbers to use, in this dataset's order (e.g. one fold from
+            :func:`xlatrain.data.splits.group_kfold`); default all.
+        **options: fields of :class:`ShardOptions` (``image_size``, ``channels``, ``labels``,
+            ``target``, ``augment``, ``num_workers``, ``on_error``, ...).
+
+    Example:
+        >>> full = ShardDataset("shards/", image_size=128, channels=1, num_workers=2)
+        >>> train_ids, val_ids = group_kfold(full.groups, num_folds=5, fold=0)
+        >>> train = full.subset(train_ids, augment=Augment(hflip=0.5, rotate_degrees=10))
+        >>> val = full.subset(val_ids)
+        >>> model = torch.nn.Sequential(NormalizeInput(mean=[0.5], std=[0.25]), backbone)
+        >>> Trainer(model, nn.BCEWithLogitsLoss(), opt_fn, config=cfg).fit(train, val)
+    """
+
+    def __init__(
+        self, root: str | os.PathLike[str], *, indices: Sequence[int] | np.ndarray | None = None, **options: Any
+    ) -> None:
+        valid_keys = {f.name for f in ShardOptions.__dataclass_fields__.values()}
+        unknown = sorted(set(options) - valid_keys)
+        if unknown:
+            raise ValueError(f"unknown ShardDataset option(s) {unknown}: valid ones are {sorted(valid_keys)}")
+        opts = ShardOptions(**options)
+        root = Path(root)
+        index = _open_index(root, opts)
+        ids = np.arange(len(index.length), dtype=np.int64) if indices is None else self._check_ids(indices, len(index.length), "indices")
+        self._setup(root, index, ids, opts)
+
+    # -- construction ------------------------------------------------------------------------
+    @staticmethod
+    def _check_ids(indices: Sequence[int] | np.ndarray, limit: int, name: str) -> np.ndarray:
+        ids = np.asarray(indices)
+        if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
+            raise ValueError(f"{name} must be a 1-D sequence of integer record numbers")
+        ids = ids.astype(np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= limit):
+            raise ValueError(f"{name} holds record numbers outside 0..{limit - 1}")
+        return ids
+
+    def _setup(self, root: Path, index: _Index, ids: np.ndarray, options: ShardOptions) -> None:
+        self.root, self.options, self._index = root, options, index
+        present = index.length[ids] >= 0
+        self._dropped_ids = ids[~present]
+        self._ids = ids[present]
+        if len(self._ids) == 0:
+            raise ValueError(f"{root} has no readable records for this dataset: check the shards with `xlatrain pack --verify {root}`")
+        names = index.label_names
+        wanted = options.labels if options.labels is not None else names
+        missing = [n for n in wanted if n not in names]
+        if missing:
+            raise ValueError(f"label(s) {missing} are not in {root}: packed labels are {list(names)}")
+        self.label_names = tuple(wanted)
+        columns = [names.index(n) for n in wanted]
+        labels = index.labels[self._ids][:, columns]
+        if options.target == "long":
+            if len(columns) != 1 or not np.all(labels == np.round(labels)) or np.any(labels < 0):
+                raise ValueError(
+                    f"target='long' needs exactly one label column of non-negative integers; got {list(wanted)}. "
+                    "Pick one class-id column with labels=[...], or use target='float' for multi-label"
+                )
+            self._targets = torch.from_numpy(labels[:, 0].astype(np.int64))
+        else:
+            self._targets = torch.from_numpy(np.ascontiguousarray(labels))
+        if options.image_size is not None:
+            size = options.image_size
+        else:
+            heights, widths = index.height[self._ids], index.width[self._ids]
+            if np.any(heights != heights[0]) or np.any(widths != widths[0]):
+                raise ValueError(
+                    f"records in {root} have different sizes (e.g. {heights[0]}x{widths[0]} and "
+                    f"{heights.max()}x{widths.max()}): set image_size=... so batches have one shape"
+                )
+            size = (int(heights[0]), int(widths[0]))
+        self.image_size: tuple[int, int] = size  # type: ignore[assignment]
+        self._reader = _BatchReader(index, self._ids, self._targets, options, self.image_size)
+        self._plan = _Plan()
+        self._loader: DataLoader[Any] | None = None
+        self._generation = 0
+        self._skipped: dict[int, str] = {}
+
+    def subset(self, indices: Sequence[int] | np.ndarray, **options: Any) -> ShardDataset:
+        """A dataset over ``indices`` (positions in this one), sharing the parsed index.
+
+        ``options`` override this dataset's :class:`ShardOptions` (e.g. ``augment=`` for training).
+        """
+        positions = self._check_ids(indices, len(self), "indices")
+        other = ShardDataset.__new__(ShardDataset)
+        other._setup(self.root, self._index, self._ids[positions], replace(self.options, **options))
+        return other
+
+    # -- BatchSource ------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def epoch_order(self, seed: int, epoch: int) -> np.ndarray:
+        """Dataset positions in this epoch's reading order (identical in every process)."""
+        n = len(self._ids)
+        if not self.options.shuffle:
+            return np.arange(n, dtype=np.int64)
+        rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed % 2**63, epoch % 2**63, 0x5A4D])))
+        if self.options.shuffle_window is None:
+            return rng.permutation(n).astype(np.int64)
+        shard_rank = rng.permutation(len(self._index.shard_names))
+        # The stream a shard reader would see: shards in a random order, records in stored order.
+        stream = np.lexsort((self._ids, shard_rank[self._index.shard[self._ids]]))
+        keys = np.arange(n) + rng.random(n) * self.options.shuffle_window
+        return stream[np.argsort(keys, kind="stable")].astype(np.int64)
+
+    def train_batches(
+        self,
+        *,
+        loader_batch: int,
+        num_processes: int,
+        process_index: int,
+        seed: int,
+        epoch: int,
+        start_step: int = 0,
+        step_multiple: int = 1,
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """This process's ``(images_BCHW_uint8, targets)`` batches of one epoch, from ``start_step``."""
+        _check_layout(loader_batch, num_processes, process_index)
+        steps = train_steps_per_epoch(len(self), loader_batch, num_processes, step_multiple)
+        if not 0 <= start_step <= steps:
+            raise ValueError(f"start_step={start_step} is outside 0..{steps} (steps in this epoch)")
+        order = self.epoch_order(seed, epoch)
+        global_batch = loader_batch * num_processes
+        lo = process_index * loader_batch
+        tasks = [
+            _Task(order[k * global_batch + lo : k * global_batch + lo + loader_batch], None, epoch, seed)
+            for k in range(start_step, steps)
+        ]
+        return self._run(tasks, training=True)
+
+    def eval_batches(
+        self, *, loader_batch: int, num_processes: int, process_index: int
+    ) -> Iterator[tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]]:
+        """This process's ``((images, targets), valid)`` batches, laid out as ``EvalSampler``."""
+        _check_layout(loader_batch, num_processes, process_index)
+        n = len(self)
+        positions = EvalSampler(n, loader_batch=loader_batch, num_processes=num_processes).indices(process_index).numpy()
+        valid = positions < n
+        positions = positions % n  # padding rows repeat real records and are masked out
+        tasks = [
+            _Task(positions[k : k + loader_batch], valid[k : k + loader_batch], 0, 0)
+            for k in range(0, len(positions), loader_batch)
+        ]
+        return self._run(tasks, training=False)
+
+    def _run(self, tasks: list[_Task], *, training: bool) -> Iterator[Any]:
+        self._generation += 1
+        return self._iterate(tasks, training, self._generation)
+
+    def _iterate(self, tasks: list[_Task], training: bool, generation: int) -> Iterator[Any]:
+        it: Iterator[Any] | None = None
+        while True:
+            # Checked before every fetch: a persistent DataLoader has one iterator, and a newer
+            # pass has reset it, so an older pass must not read the newer one's batches.
+            if self._generation != generation:
+                raise RuntimeError(
+                    "this ShardDataset started another pass (train_batches / eval_batches) before this one "
+                    "finished: iterate one pass at a time, or use a second ShardDataset"
+                )
+            if it is None:
+                it = self._source(tasks)
+            try:
+                images, targets, valid, skipped = next(it)
+            except StopIteration:
+                return
+            if skipped:
+                self._note_skipped(skipped)
+            yield (images, targets) if training else ((images, targets), valid)
+
+    def _source(self, tasks: list[_Task]) -> Iterator[Any]:
+        if self.options.num_workers == 0:
+            return map(self._reader.__getitem__, tasks)
+        if self._loader is None:
+            self._loader = DataLoader(
+                self._reader,  # type: ignore[arg-type]
+                batch_size=None,
+                sampler=self._plan,
+                num_workers=self.options.num_workers,
+                persistent_workers=True,
+                prefetch_factor=self.options.prefetch_batches,
+                pin_memory=self.options.pin_memory,
+                collate_fn=_no_collate,
+                # Its own generator: iterating must not draw from the global torch RNG, which
+                # the training step (dropout) uses and a resumed run restores.
+                generator=torch.Generator().manual_seed(0),
+            )
+        self._plan.tasks = tasks
+        return iter(self._loader)
+
+    def _note_skipped(self, skipped: Iterable[tuple[int, str]]) -> None:
+        for gid, reason in skipped:
+            if gid not in self._skipped:
+                self._skipped[gid] = reason
+                warnings.warn(f"on_error='skip': skipping {self._reader.describe(gid)}: {reason}", stacklevel=3)
+
+    # -- inspection --------------------------------------------------------------------------
+    def __getitem__(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One record as ``(image_CHW_uint8, target)``, without augmentation."""
+        if not -len(self) <= position < len(self):
+            raise IndexError(f"position {position} is outside a dataset of {len(self)} records")
+        position %= len(self)
+        gid = int(self._ids[position])
+        try:
+            image = self._reader.decode_one(gid, None)
+        except _BadRecord as exc:
+            raise ShardError(f"{self._reader.describe(gid)}: {exc}. {_repair_hint(self.root)}") from None
+        return to_tensor(image).expand(self.options.channels, -1, -1).contiguous(), self._targets[position]
+
+    @property
+    def record_ids(self) -> np.ndarray:
+        """Manifest record number of each position."""
+        return self._ids.copy()
+
+    @property
+    def groups(self) -> np.ndarray:
+        """Group key (e.g. StudyInstanceUID) of each position, for :func:`~xlatrain.data.splits.group_kfold`."""
+        names = np.asarray(self._index.group_names + [""], dtype=object)
+        return names[self._index.group_codes[self._ids]]
+
+    @property
+    def labels(self) -> np.ndarray:
+        """float32 ``[N, L]`` labels of each position, columns as :attr:`label_names`."""
+        columns = [self._index.label_names.index(n) for n in self.label_names]
+        return self._index.labels[self._ids][:, columns]
+
+    @property
+    def num_skipped(self) -> int:
+        """Records left out so far under ``on_error="skip"``: unreadable shards and bad records."""
+        return len(self._dropped_ids) + len(self._skipped)
+
+    @property
+    def skipped(self) -> list[dict[str, Any]]:
+        """What :attr:`num_skipped` counts: ``{"record", "what", "reason"}`` per record or shard."""
+        out = [{"record": None, "what": f"shard {name} ({n} records)", "reason": reason} for name, n, reason in self._index.dropped]
+        out += [{"record": gid, "what": self._reader.describe(gid), "reason": r} for gid, r in self._skipped.items()]
+        return out
+
+    def close(self) -> None:
+        """Stop the worker processes (they also stop when the dataset is garbage collected)."""
+        self._loader = None
+
+    def __enter__(self) -> ShardDataset:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_loader"] = None  # worker processes do not travel
+        return state
+
+    def __repr__(self) -> str:
+        return (
+            f"ShardDataset({str(self.root)!r}, records={len(self)}, image_size={self.image_size}, "
+            f"channels={self.options.channels}, labels={len(self.label_names)}, workers={self.options.num_workers})"
+        )
+
+
+def _check_layout(loader_batch: int, num_processes: int, process_index: int) -> None:
+    if loader_batch < 1:
+        raise ValueError(f"batch_size must be >= 1, got a loader batch of {loader_batch}")
+    if not 0 <= process_index < num_processes:
+        raise ValueError(f"process_index={process_index} is outside 0..{num_processes - 1}")
+
+
+# --------------------------------------------------------------------------------------------
+# On the device
+
+
+def normalize_on_device(
+    images: torch.Tensor, mean: Sequence[float] | torch.Tensor, std: Sequence[float] | torch.Tensor
+) -> torch.Tensor:
+    """uint8 ``[..., C, H, W]`` -> float32 ``(x / 255 - mean) / std`` per channel, where ``images`` lives.
+
+    Call it at the start of the model's ``forward`` (or use :class:`NormalizeInput`) so the host
+    sends uint8 -- a quarter of the bytes of float32 -- and the accelerator does the arithmetic.
+    """
+    mean_t = torch.as_tensor(mean, dtype=torch.float32, device=images.device).reshape(-1, 1, 1)
+    std_t = torch.as_tensor(std, dtype=torch.float32, device=images.device).reshape(-1, 1, 1)
+    return (images.float() * (1.0 / 255.0) - mean_t) / std_t
+
+
+class NormalizeInput(torch.nn.Module):
+    """A first layer that turns uint8 images into normalised float32 on the device.
+
+    Example:
+        >>> model = torch.nn.Sequential(NormalizeInput(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225]), resnet)
+    """
+
+    def __init__(self, mean: Sequence[float], std: Sequence[float]) -> None:
+        super().__init__()
+        if len(mean) != len(std) or any(s <= 0 for s in std):
+            raise ValueError(f"mean={list(mean)} and std={list(std)} need one value per channel and std > 0")
+        # Constants, not weights: kept out of state_dict so checkpoints hold only trained values.
+        self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32).reshape(-1, 1, 1), persistent=False)
+        self.register_buffer("std", torch.tensor(std, dtype=torch.float32).reshape(-1, 1, 1), persistent=False)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return (images.float() * (1.0 / 255.0) - self.mean) / self.std

@@ -1,0 +1,310 @@
+import functools
+import json
+
+import numpy as np
+import pytest
+import simplejpeg
+import torch
+from torch import nn
+
+from xlatrain import TrainConfig, Trainer
+from xlatrain.data.pack import pack
+from xlatrain.data.sampling import EvalSampler
+from xlatrain.data.shards import (
+    MANIFEST_NAME,
+    Augment,
+    NormalizeInput,
+    ShardDataset,
+    ShardError,
+    normalize_on_device,
+    read_manifest,
+    read_shard_index,
+)
+from xlatrain.data.source import BatchSource
+from xlatrain.data.splits import group_kfold
+from xlatrain.data.synthetic_rsna import PATH_COLUMNS, generate
+
+NUM = 101  # divides by none of the global batches below
+
+
+def _make(root, num=NUM, size=16, shard_bytes=2500):
+    images = root / "img"
+    images.mkdir(parents=True)
+    yy, xx = np.mgrid[:size, :size]
+    lines = ["path,rid,cls,grp"]
+    for i in range(num):
+        plane = ((xx * 7 + yy * 3 + i * 5) % 256).astype(np.uint8)[:, :, None]
+        (images / f"{i}.jpg").write_bytes(simplejpeg.encode_jpeg(plane, quality=95, colorspace="GRAY", colorsubsampling="Gray"))
+        lines.append(f"{i}.jpg,{i},{i % 3},g{i // 4}")
+    (root / "t.csv").write_text("\n".join(lines) + "\n")
+    summary = pack(root / "t.csv", images, root / "s", path_columns=["path"], labels=["rid", "cls"], group="grp",
+                   shard_bytes=shard_bytes, progress=False)
+    assert summary.num_records == num and summary.num_shards > 5
+    return root / "s"
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    return _make(tmp_path_factory.mktemp("ids"))
+
+
+def _ids(targets):
+    return targets[:, 0].long().tolist()
+
+
+def _train(ds, b, num_processes, epoch=1, seed=0, start_step=0):
+    return [
+        list(ds.train_batches(loader_batch=b, num_processes=num_processes, process_index=p, seed=seed, epoch=epoch, start_step=start_step))
+        for p in range(num_processes)
+    ]
+
+
+def test_is_a_batch_source_with_uint8_batches(shards):
+    ds = ShardDataset(shards)
+    assert isinstance(ds, BatchSource) and len(ds) == NUM and ds.label_names == ("rid", "cls")
+    (x, y), = _train(ds, 8, 1)[0][:1]
+    assert x.shape == (8, 3, 16, 16) and x.dtype == torch.uint8 and y.shape == (8, 2) and y.dtype == torch.float32
+    image, target = ds[5]
+    assert image.shape == (3, 16, 16) and target.tolist() == [5.0, 2.0]
+
+
+@pytest.mark.parametrize("num_processes", [1, 2, 8])
+def test_every_record_at_most_once_per_epoch_in_full_batches(shards, num_processes):
+    ds = ShardDataset(shards, channels=1)
+    b = 4
+    steps = NUM // (b * num_processes)
+    per_process = _train(ds, b, num_processes)
+    seen = []
+    for batches in per_process:
+        assert len(batches) == steps and all(x.shape[0] == b for x, _ in batches)
+        seen += [i for _, y in batches for i in _ids(y)]
+    assert len(seen) == len(set(seen)) == steps * b * num_processes  # disjoint, the ragged tail left out
+    # The left-out tail changes from epoch to epoch, so every record gets trained on.
+    later = {i for batches in _train(ds, b, num_processes, epoch=2) for _, y in batches for i in _ids(y)}
+    assert set(seen) != later
+
+
+def test_a_global_batch_is_the_same_records_whatever_the_process_count(shards):
+    ds = ShardDataset(shards, channels=1)
+    one = _train(ds, 8, 1)[0]
+    for num_processes in (2, 8):
+        parts = _train(ds, 8 // num_processes, num_processes)
+        for step in range(len(one)):
+            joined = [i for p in range(num_processes) for i in _ids(parts[p][step][1])]
+            assert joined == _ids(one[step][1])
+
+
+@pytest.mark.parametrize("num_processes,b", [(1, 7), (2, 5), (8, 3)])
+def test_evaluation_covers_every_record_exactly_once_in_eval_sampler_order(shards, num_processes, b):
+    ds = ShardDataset(shards, channels=1)
+    seen = []
+    for p in range(num_processes):
+        batches = list(ds.eval_batches(loader_batch=b, num_processes=num_processes, process_index=p))
+        expected = EvalSampler(NUM, loader_batch=b, num_processes=num_processes).indices(p)
+        rows = torch.cat([y for (_, y), _ in batches])[:, 0].long()
+        valid = torch.cat([v for _, v in batches])
+        assert all(x.shape[0] == b for (x, _), _ in batches) and valid.dtype == torch.bool
+        assert torch.equal(valid, expected < NUM) and torch.equal(rows, expected % NUM)
+        seen += rows[valid].tolist()
+    assert sorted(seen) == list(range(NUM))
+
+
+def test_same_seed_same_order_different_epochs_and_seeds_differ(shards):
+    ds = ShardDataset(shards, channels=1)
+    order = lambda **kw: [i for _, y in _train(ds, 4, 2, **kw)[1] for i in _ids(y)]  # noqa: E731
+    assert order(epoch=3) == order(epoch=3) == [i for _, y in _train(ShardDataset(shards, channels=1), 4, 2, epoch=3)[1] for i in _ids(y)]
+    assert order(epoch=3) != order(epoch=4)
+    assert order(epoch=3, seed=1) != order(epoch=3)
+    assert [i for _, y in _train(ShardDataset(shards, shuffle=False), 4, 1)[0] for i in _ids(y)] == list(range(100))
+
+
+def test_shuffle_window_bounds_how_far_a_record_moves_from_its_shard_stream(shards):
+    ds = ShardDataset(shards, shuffle_window=5)
+    order = ds.epoch_order(seed=0, epoch=1)
+    assert sorted(order.tolist()) == list(range(NUM))
+    # Records of one shard stay together within the window: a shard spans few positions.
+    shard_of = np.repeat(np.arange(len(read_manifest(shards)["shards"])), [s["num_records"] for s in read_manifest(shards)["shards"]])
+    first_shard = shard_of[order[0]]
+    where = np.flatnonzero(shard_of[order] == first_shard)
+    assert where.max() - where.min() < (shard_of == first_shard).sum() + 2 * 5
+    full = ShardDataset(shards, shuffle_window=None).epoch_order(seed=0, epoch=1)
+    assert sorted(full.tolist()) == list(range(NUM)) and not np.array_equal(full, order)
+
+
+AUG = Augment(crop_scale=(0.4, 1.0), hflip=0.5, vflip=0.5, rotate_degrees=15)
+
+
+def test_resume_from_a_step_yields_exactly_the_rest_of_the_epoch(shards):
+    ds = ShardDataset(shards, image_size=8, augment=AUG)
+    full = _train(ds, 4, 2, epoch=5, seed=7)
+    resumed = _train(ds, 4, 2, epoch=5, seed=7, start_step=6)
+    for p in range(2):
+        assert len(resumed[p]) == len(full[p]) - 6
+        for (xa, ya), (xb, yb) in zip(full[p][6:], resumed[p]):
+            assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    with pytest.raises(ValueError, match="start_step=13 is outside 0..12"):
+        ds.train_batches(loader_batch=4, num_processes=2, process_index=0, seed=7, epoch=5, start_step=13)
+
+
+def test_worker_processes_give_the_same_batches_in_the_same_order(shards):
+    plain = ShardDataset(shards, image_size=8, augment=AUG)
+    with ShardDataset(shards, image_size=8, augment=AUG, num_workers=2) as workers:
+        for epoch in (1, 2):  # the second pass reuses the persistent workers
+            a = _train(plain, 8, 1, epoch=epoch)[0]
+            b = _train(workers, 8, 1, epoch=epoch)[0]
+            assert len(a) == len(b) and all(torch.equal(xa, xb) and torch.equal(ya, yb) for (xa, ya), (xb, yb) in zip(a, b))
+        ev = list(workers.eval_batches(loader_batch=8, num_processes=1, process_index=0))
+        assert sum(int(v.sum()) for _, v in ev) == NUM
+
+
+def test_a_newer_pass_invalidates_an_unfinished_older_one(shards):
+    ds = ShardDataset(shards, num_workers=1)
+    older = iter(ds.train_batches(loader_batch=4, num_processes=1, process_index=0, seed=0, epoch=1))
+    next(older)
+    newer = ds.eval_batches(loader_batch=4, num_processes=1, process_index=0)
+    assert len(list(newer)) == 26
+    with pytest.raises(RuntimeError, match="started another pass"):
+        next(older)
+    ds.close()
+
+
+def test_augmentations_are_uint8_reproducible_and_vary_by_epoch(shards):
+    ds = ShardDataset(shards, image_size=12, channels=1, augment=AUG)
+    a1, a1b, a2 = (_train(ds, 8, 1, epoch=e)[0][0][0] for e in (1, 1, 2))
+    assert a1.dtype == torch.uint8 and a1.shape == (8, 1, 12, 12) and torch.equal(a1, a1b)
+    flips = ShardDataset(shards, shuffle=False, augment=Augment(hflip=1.0))
+    x, _ = _train(flips, 4, 1)[0][0]
+    assert torch.equal(x[2], ShardDataset(shards)[2][0].flip(-1))
+    ids = _ids(_train(ds, 8, 1, epoch=2)[0][0][1])
+    assert not torch.equal(a2, torch.stack([ShardDataset(shards, image_size=12, channels=1)[i][0] for i in ids]))
+
+
+def _corrupt_record(shards, record=3):
+    """Flip bytes inside one record's JPEG data (the file keeps its size)."""
+    entry = read_manifest(shards)["shards"][0]
+    path = shards / entry["name"]
+    index = read_shard_index(path)
+    data = bytearray(path.read_bytes())
+    start, end = index.starts[record], index.starts[record + 1]
+    for k in range(start + (end - start) // 2, end - 4):
+        data[k] ^= 0x5A
+    path.write_bytes(bytes(data))
+    return entry["name"], index.paths[record]
+
+
+def test_a_corrupt_record_raises_naming_the_shard_or_is_skipped_and_counted(tmp_path):
+    root = _make(tmp_path)
+    shard, source = _corrupt_record(root, record=3)
+    ds = ShardDataset(root, shuffle=False)
+    with pytest.raises(ShardError, match=f"record 3 of shard {shard} \\(source {source}\\): CRC32 checksum mismatch"):
+        list(ds.train_batches(loader_batch=4, num_processes=1, process_index=0, seed=0, epoch=1))
+    skip = ShardDataset(root, shuffle=False, on_error="skip")
+    with pytest.warns(UserWarning, match=f"skipping record 3 of shard {shard}"):
+        batches = list(skip.train_batches(loader_batch=4, num_processes=1, process_index=0, seed=0, epoch=1))
+    assert all(x.shape[0] == 4 for x, _ in batches) and skip.num_skipped == 1
+    assert _ids(batches[0][1]) == [0, 1, 2, 2]  # the bad row repeats a good row of its batch
+    assert skip.skipped[0]["record"] == 3 and "CRC32" in skip.skipped[0]["reason"]
+    ev = list(skip.eval_batches(loader_batch=8, num_processes=1, process_index=0))
+    real = [i for (_, y), v in ev for i, ok in zip(_ids(y), v.tolist()) if ok]
+    assert sorted(real) == [i for i in range(NUM) if i != 3] and skip.num_skipped == 1
+
+
+def test_a_truncated_shard_is_named_at_open_or_left_out_under_skip(tmp_path):
+    root = _make(tmp_path)
+    entry = read_manifest(root)["shards"][1]
+    path = root / entry["name"]
+    path.write_bytes(path.read_bytes()[:-50])
+    with pytest.raises(ShardError, match=f"shard {entry['name']} is truncated: .*xlatrain pack --verify"):
+        ShardDataset(root)
+    with pytest.warns(UserWarning, match=f"leaving out the {entry['num_records']} records of shard {entry['name']}"):
+        ds = ShardDataset(root, on_error="skip")
+    assert len(ds) == NUM - entry["num_records"] and ds.num_skipped == entry["num_records"]
+    assert sum(int(v.sum()) for _, v in ds.eval_batches(loader_batch=8, num_processes=1, process_index=0)) == len(ds)
+
+
+def test_a_checksum_mismatch_is_caught_when_asked_to_verify(tmp_path):
+    root = _make(tmp_path)
+    manifest = json.loads((root / MANIFEST_NAME).read_text())
+    manifest["shards"][2]["sha256"] = "f" * 64
+    (root / MANIFEST_NAME).write_text(json.dumps(manifest))
+    assert len(ShardDataset(root)) == NUM  # hashing every shard is opt-in (records still carry a CRC)
+    with pytest.raises(ShardError, match=f"shard {manifest['shards'][2]['name']} fails its checksum"):
+        ShardDataset(root, verify_checksums=True)
+
+
+def test_targets_options_and_errors(shards):
+    ds = ShardDataset(shards, labels=["cls"], target="long")
+    _, y = _train(ds, 4, 1)[0][0]
+    assert y.dtype == torch.int64 and y.shape == (4,) and set(y.tolist()) <= {0, 1, 2}
+    with pytest.raises(ValueError, match="target='long' needs exactly one label column"):
+        ShardDataset(shards, target="long")
+    with pytest.raises(ValueError, match=r"label\(s\) \['x'\] are not in"):
+        ShardDataset(shards, labels=["x"])
+    with pytest.raises(ValueError, match=r"unknown ShardDataset option\(s\) \['batch'\]"):
+        ShardDataset(shards, batch=3)
+    with pytest.raises(ValueError, match="on_error='ignore' is not valid"):
+        ShardDataset(shards, on_error="ignore")
+    with pytest.raises(ValueError, match="crop_scale"):
+        Augment(crop_scale=(0.5, 2.0))
+    with pytest.raises(ValueError, match="does not exist: pack a dataset"):
+        ShardDataset(shards.parent / "nowhere")
+    with pytest.raises(ValueError, match="fewer than one optimizer step needs"):
+        ShardDataset(shards).train_batches(loader_batch=64, num_processes=2, process_index=0, seed=0, epoch=1)
+
+
+def test_subsets_follow_group_kfold_without_leakage(shards):
+    full = ShardDataset(shards, image_size=8)
+    train_ids, val_ids = group_kfold(full.groups, num_folds=4, fold=1)
+    train, val = full.subset(train_ids, augment=AUG), full.subset(val_ids)
+    assert len(train) + len(val) == NUM and not set(train.groups) & set(val.groups)
+    assert sorted(val.record_ids.tolist()) == sorted(val_ids.tolist())
+    assert train.options.augment == AUG and val.options.augment is None
+    assert np.array_equal(val.labels[:, 0], val_ids.astype(np.float32))
+
+
+def test_normalisation_happens_on_the_device_side():
+    x = torch.tensor([[[[0, 255]], [[51, 102]]]], dtype=torch.uint8)
+    out = normalize_on_device(x, mean=[0.5, 0.2], std=[0.5, 0.1])
+    expected = (x.float() / 255 - torch.tensor([0.5, 0.2]).view(2, 1, 1)) / torch.tensor([0.5, 0.1]).view(2, 1, 1)
+    assert out.dtype == torch.float32 and torch.allclose(out, expected, atol=1e-6)
+    layer = NormalizeInput(mean=[0.5, 0.2], std=[0.5, 0.1])
+    assert torch.allclose(layer(x), expected, atol=1e-6) and layer.state_dict() == {}
+
+
+class _TinyNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(
+            NormalizeInput(mean=[0.3], std=[0.3]),
+            nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(16, 1),
+        )
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def test_trainer_fits_shard_datasets_and_evaluates_every_record_once(tmp_path):
+    data = generate(tmp_path / "rsna", num_studies=24, slices_per_study=(10, 14), image_size=32, seed=1)
+    pack(data.csv_path, data.image_dir, tmp_path / "s", path_columns=PATH_COLUMNS, suffix=".jpg",
+         labels=["pe_present_on_image"], group="StudyInstanceUID", shard_bytes=8000, progress=False)
+    full = ShardDataset(tmp_path / "s", channels=1)
+    train_ids, val_ids = group_kfold(full.groups, num_folds=4, fold=0)
+    train = full.subset(train_ids, augment=Augment(hflip=0.5, rotate_degrees=5), num_workers=1)
+    val = full.subset(val_ids)
+    torch.manual_seed(0)
+    trainer = Trainer(
+        _TinyNet(), nn.BCEWithLogitsLoss(), functools.partial(torch.optim.Adam, lr=1e-2),
+        config=TrainConfig(epochs=6, batch_size=16, eval_batch_size=10, run_dir=str(tmp_path / "run"), log_every=100),
+        backend="cpu",
+    )
+    history = trainer.fit(train, val)
+    losses = [row["train_loss"] for row in history]
+    assert len(history) == 6 and losses[-1] < 0.8 * losses[0]
+    assert history[-1]["val_mean_auc"] > 0.9  # the blob on PE-positive slices is learnt
+    metrics = trainer.evaluate(val)
+    assert metrics["num_samples"] == len(val)
+    predictions = trainer.predict(val)
+    assert predictions.shape == (len(val), 1)
+    assert np.isfinite(predictions.numpy()).all()
+    train.close()
