@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from xlatrain import TrainConfig, Trainer
-from xlatrain.recipes.digits import SmallCNN
+from xlatrain.models import SmallCNN
 
 BATCH = 64
 STEPS = 20
@@ -61,13 +61,13 @@ def run() -> dict[str, Any]:
 def _measure() -> dict[str, Any]:
     data = _data()
     torch.manual_seed(0)
-    plain_model = SmallCNN()
+    plain_model = SmallCNN(in_channels=1, num_outputs=10, width=32)
     plain_opt = torch.optim.Adam(plain_model.parameters(), lr=1e-3)
     loader = DataLoader(data, batch_size=BATCH, shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(0))
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as run_dir:
         trainer = Trainer(
-            SmallCNN(),
+            SmallCNN(in_channels=1, num_outputs=10, width=32),
             nn.CrossEntropyLoss(),
             functools.partial(torch.optim.Adam, lr=1e-3),
             config=TrainConfig(epochs=1, batch_size=BATCH, run_dir=run_dir, log_every=10),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import tempfile
 import sys
 from pathlib import Path
 
@@ -18,6 +19,8 @@ def run_script(args: list[str], env: dict[str, str] | None = None, timeout: int 
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("PJRT_", "CPU_NUM_DEVICES", "XLA_"))}
     full_env.update(env or {})
     full_env["PYTHONPATH"] = str(SCRIPTS)
+    # XLA runs keep a persistent compilation cache; tests keep theirs out of the user's home.
+    full_env.setdefault("XLATRAIN_CACHE_DIR", str(Path(tempfile.gettempdir()) / "xlatrain-test-cache"))
     proc = subprocess.run(args, env=full_env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(args)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")

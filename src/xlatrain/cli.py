@@ -18,6 +18,26 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if last["val_accuracy"] >= args.min_accuracy else 1
 
 
+def _fit(args: argparse.Namespace) -> int:
+    from xlatrain.config import load_run_config
+    from xlatrain.recipes.run import run
+
+    config = load_run_config(args.config, args.set)
+    resume: bool | str = False if args.fresh else (args.resume or "auto")
+    trainer, history = run(config, resume=resume)
+    if trainer.backend.is_main and history:
+        print(f"history: {trainer.run_dir}/history.csv  best weights: {trainer.run_dir}/best.safetensors")
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from xlatrain.report import write_report
+
+    out = write_report(args.run_dir)
+    print(f"wrote {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="xlatrain", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -30,6 +50,30 @@ def build_parser() -> argparse.ArgumentParser:
         "--min-accuracy", type=float, default=0.95, help="exit non-zero below this final val accuracy"
     )
     demo.set_defaults(func=_demo)
+
+    fit = sub.add_parser(
+        "fit",
+        help="train a recipe from a YAML config",
+        description="Train from CONFIG.yaml: sections recipe, data, model, optimizer, schedule, trainer, "
+        "backend, checkpoint (see configs/). The resolved config is written to RUN_DIR/config.yaml.",
+    )
+    fit.add_argument("config", help="YAML file, e.g. configs/pe_detection.yaml")
+    fit.add_argument(
+        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+        help="override one key, e.g. --set trainer.epochs=3 --set backend.accelerator=xla (repeatable)",
+    )
+    group = fit.add_mutually_exclusive_group()
+    group.add_argument("--resume", metavar="CHECKPOINT_DIR", help="continue from this checkpoint")
+    group.add_argument("--fresh", action="store_true", help="start over in a new run directory")
+    fit.set_defaults(func=_fit)
+
+    from xlatrain.diagnostics.cli import add_doctor_parser
+
+    add_doctor_parser(sub)
+
+    report = sub.add_parser("report", help="plots and a markdown summary of a run directory")
+    report.add_argument("run_dir")
+    report.set_defaults(func=_report)
     return parser
 
 

@@ -40,11 +40,14 @@ class BackendConfig:
             is the number of virtual XLA:CPU devices, to rehearse a TPU program on a laptop.
         xla_mode: ``spmd`` (one process, the global batch sharded over a ``data`` mesh axis) or
             ``multiprocess`` (one process per chip, started with ``xlatrain.spawn``).
+        compile_cache: keep XLA compilations on disk (``$XLATRAIN_CACHE_DIR``, default
+            ``~/.cache/xlatrain/xla``) so the next identical run starts without compiling.
     """
 
     accelerator: str = "auto"
     devices: int | None = None
     xla_mode: str = "spmd"
+    compile_cache: bool = True
 
     def __post_init__(self) -> None:
         _choice("accelerator", self.accelerator, ACCELERATORS)
@@ -85,7 +88,7 @@ class TrainConfig:
     batch_size: int = 32
     eval_batch_size: int | None = None
     scale_lr: bool = False
-    precision: str = "32"
+    precision: str | int = "32"
     grad_accum_steps: int = 1
     clip_grad_norm: float | None = None
     log_every: int = 50
@@ -211,3 +214,134 @@ def load_yaml(text: str, source: str = "<config>") -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"{source}: the top level must be a mapping of sections, got {type(data).__name__}")
     return data
+
+
+# --- a whole run, as `xlatrain fit CONFIG.yaml` reads it -------------------------------------
+
+OPTIMIZERS = ("adam", "adamw", "sgd")
+SCHEDULES = ("none", "step", "cosine")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """A model by name (see ``xlatrain.models.MODEL_NAMES``); ``pretrained`` is a local file path."""
+
+    name: str = "small_cnn"
+    pretrained: bool | str = False
+    width: int | None = None  # for resnet_unet / small_cnn
+    blocks: list[int] | None = None  # residual blocks per stage, resnet_unet only
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("model.name is empty: give a model name such as 'resnet18'")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    name: str = "adam"
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    momentum: float = 0.9  # sgd only
+
+    def __post_init__(self) -> None:
+        _choice("optimizer.name", self.name, OPTIMIZERS)
+        if not self.lr > 0:
+            raise ValueError(f"optimizer.lr={self.lr!r} is not valid: use a positive learning rate")
+        if self.weight_decay < 0:
+            raise ValueError(f"optimizer.weight_decay={self.weight_decay!r} is not valid: use 0 or more")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScheduleConfig:
+    """LR schedule, stepped per ``trainer.scheduler_interval``: StepLR or cosine over all epochs."""
+
+    name: str = "none"
+    step_size: int = 1
+    gamma: float = 0.5
+
+    def __post_init__(self) -> None:
+        _choice("schedule.name", self.name, SCHEDULES)
+        _positive_int("schedule.step_size", self.step_size)
+
+
+SECTIONS = {
+    "model": ModelConfig,
+    "optimizer": OptimizerConfig,
+    "schedule": ScheduleConfig,
+    "trainer": TrainConfig,
+    "backend": BackendConfig,
+    "checkpoint": CheckpointConfig,
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """Everything one run needs; ``data`` is checked by the recipe's own data config."""
+
+    recipe: str
+    data: dict[str, Any] = dataclasses.field(default_factory=dict)
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = dataclasses.field(default_factory=ScheduleConfig)
+    trainer: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    backend: BackendConfig = dataclasses.field(default_factory=BackendConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+
+
+def _parse_value(text: str) -> Any:
+    """A ``--set`` value as YAML would read it (``3`` -> 3, ``true`` -> True, ``1e-3`` -> 0.001)."""
+    import yaml
+
+    value = yaml.safe_load(text)
+    if isinstance(value, str):
+        try:
+            return float(value)  # YAML 1.1 reads 1e-3 as a string
+        except ValueError:
+            return value
+    return value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``section.key=value`` overrides to a parsed config mapping (returns a new mapping)."""
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set {item!r} is not valid: write section.key=value, e.g. trainer.epochs=3")
+        *path, leaf = key.split(".")
+        node = out
+        for part in path:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"--set {item!r}: {part} is not a section")
+        node[leaf] = _parse_value(raw)
+    return out
+
+
+def run_config_from_dict(data: dict[str, Any]) -> RunConfig:
+    valid = ("recipe", "data", *SECTIONS)
+    unknown = sorted(set(data) - set(valid))
+    if unknown:
+        raise ValueError(f"unknown config section(s) {', '.join(unknown)}: valid sections are {', '.join(valid)}")
+    if "recipe" not in data:
+        raise ValueError("the config has no 'recipe': name one, e.g. recipe: pe_detection")
+    data_section = data.get("data") or {}
+    if not isinstance(data_section, dict):
+        raise ValueError(f"data must be a mapping, got {data_section!r}")
+    sections = {name: from_dict(cls, data.get(name) or {}, section=name) for name, cls in SECTIONS.items()}
+    return RunConfig(recipe=str(data["recipe"]), data=dict(data_section), **sections)
+
+
+def load_run_config(path: str, overrides: list[str] | None = None) -> RunConfig:
+    from pathlib import Path
+
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"config file {path} does not exist")
+    return run_config_from_dict(apply_overrides(load_yaml(p.read_text(), source=str(p)), overrides or []))
+
+
+def dump_yaml(config: RunConfig) -> str:
+    import yaml
+
+    return yaml.safe_dump(dataclasses.asdict(config), sort_keys=False)

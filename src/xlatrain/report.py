@@ -62,3 +62,97 @@ def plot_loss_curve(run_dir: str | Path, rows: Sequence[dict[str, Any]]) -> Path
     fig.savefig(buf, format="png")
     plt.close(fig)
     return atomic_write_bytes(Path(run_dir) / "loss.png", buf.getvalue())
+
+
+def _figure_png(draw: Any) -> bytes:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+    draw(ax)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def _monitor(run_dir: Path, rows: Sequence[dict[str, Any]]) -> tuple[str, str]:
+    config = run_dir / "config.yaml"
+    if config.is_file():
+        import yaml
+
+        trainer = (yaml.safe_load(config.read_text()) or {}).get("trainer", {})
+        if trainer.get("monitor"):
+            return trainer["monitor"], trainer.get("monitor_mode") or ("min" if "loss" in trainer["monitor"] else "max")
+    for name, mode in (("val_mean_auc", "max"), ("val_accuracy", "max"), ("val_loss", "min")):
+        if any(name in r for r in rows):
+            return name, mode
+    return "train_loss", "min"
+
+
+def write_report(run_dir: str | Path) -> Path:
+    """``RUN_DIR/report/``: loss, metric, learning-rate and timing PNGs plus ``summary.md``."""
+    run_dir = Path(run_dir)
+    rows = read_history(run_dir)
+    if not rows:
+        raise ValueError(f"{run_dir}/history.json has no epochs yet: train at least one epoch first")
+    out = run_dir / "report"
+    epochs = [r["epoch"] for r in rows]
+
+    def series(key: str) -> list[float]:
+        return [math.nan if r.get(key) is None else r.get(key, math.nan) for r in rows]
+
+    def loss(ax: Any) -> None:
+        ax.plot(epochs, series("train_loss"), marker="o", label="train")
+        if any("val_loss" in r for r in rows):
+            ax.plot(epochs, series("val_loss"), marker="o", label="validation")
+        ax.set(xlabel="epoch", ylabel="loss", title="loss")
+
+    metric_keys = [k for k in rows[-1] if k.startswith("val_") and k != "val_loss"]
+
+    def metrics(ax: Any) -> None:
+        for key in metric_keys:
+            ax.plot(epochs, series(key), marker=".", label=key[len("val_") :])
+        ax.set(xlabel="epoch", title="validation metrics")
+
+    def lr(ax: Any) -> None:
+        ax.plot(epochs, series("lr"), marker="o")
+        ax.set(xlabel="epoch", ylabel="learning rate", title="learning rate")
+
+    def timing(ax: Any) -> None:
+        ax.plot(epochs, series("epoch_time_s"), marker="o", label="epoch time (s)")
+        if any("input_bound_share" in r for r in rows):
+            ax.plot(epochs, series("input_bound_share"), marker="o", label="input-bound share")
+        ax.set(xlabel="epoch", title="time per epoch")
+
+    plots = {"loss.png": loss, "lr.png": lr, "timing.png": timing}
+    if metric_keys:
+        plots["metrics.png"] = metrics
+    for name, draw in plots.items():
+        atomic_write_bytes(out / name, _figure_png(draw))
+
+    monitor, mode = _monitor(run_dir, rows)
+    scored = [r for r in rows if isinstance(r.get(monitor), (int, float)) and not math.isnan(r[monitor])]
+    best = (max if mode == "max" else min)(scored, key=lambda r: r[monitor]) if scored else None
+    lines = [f"# Run report: {run_dir}", ""]
+    if best is not None:
+        lines += [f"- best epoch: {best['epoch']} of {len(rows)} ({monitor} = {best[monitor]:.4f}, {mode})"]
+    last = rows[-1]
+    lines += [f"- last epoch: " + ", ".join(f"{k} {v:.4f}" for k, v in last.items() if isinstance(v, float))]
+    if "xla_compilations" in last:
+        growth = last["xla_compilations"] - rows[0]["xla_compilations"]
+        lines += [f"- XLA compilations: {rows[0]['xla_compilations']} in epoch 1, {growth} after it"]
+    diagnostics = run_dir / "diagnostics.json"
+    if diagnostics.is_file():
+        findings = json.loads(diagnostics.read_text()).get("findings", [])
+        lines += ["", "## Diagnostics", ""]
+        lines += [f"- {f.get('title', f)}: {f.get('fix', '')}" for f in findings] or ["- no findings"]
+    lines += ["", "## Plots", ""] + [f"![{n}]({n})" for n in sorted(plots)] + [""]
+    atomic_write_text(out / "summary.md", "\n".join(lines))
+    return out

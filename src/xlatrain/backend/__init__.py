@@ -17,7 +17,9 @@ def _xla_installed() -> bool:
     return importlib.util.find_spec("torch_xla") is not None
 
 
-def select_backend(accelerator: str = "auto", devices: int | None = None, xla_mode: str = "spmd") -> Backend:
+def select_backend(
+    accelerator: str = "auto", devices: int | None = None, xla_mode: str = "spmd", compile_cache: bool = True
+) -> Backend:
     """Build the backend for ``accelerator``.
 
     ``auto`` takes a TPU through torch_xla when one is attached, else CUDA, else the CPU.
@@ -52,12 +54,16 @@ def select_backend(accelerator: str = "auto", devices: int | None = None, xla_mo
             )
         from xlatrain.backend.xla import XlaBackend
 
-        return XlaBackend(devices=devices, mode=xla_mode, require_tpu=accelerator == "tpu")
+        return XlaBackend(
+            devices=devices, mode=xla_mode, require_tpu=accelerator == "tpu", compile_cache=compile_cache
+        )
     return NativeBackend(accelerator, devices=devices)
 
 
 def from_config(config: BackendConfig) -> Backend:
-    return select_backend(config.accelerator, devices=config.devices, xla_mode=config.xla_mode)
+    return select_backend(
+        config.accelerator, devices=config.devices, xla_mode=config.xla_mode, compile_cache=config.compile_cache
+    )
 
 
 def spawn(fn, args=(), devices=None):  # type: ignore[no-untyped-def]

@@ -26,24 +26,11 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from xlatrain.backend.base import host_rng_state, set_host_rng_state
 from xlatrain.backend.errors import BackendUnavailableError
 
-_GOOGLE_PCI_VENDOR = "0x1ae0"
-
-
 def tpu_chip_count() -> int:
     """TPU chips attached to this host, found on the PCI bus without starting any runtime."""
-    count = 0
-    try:
-        entries = os.listdir("/sys/bus/pci/devices")
-    except OSError:
-        return 0
-    for entry in entries:
-        try:
-            with open(f"/sys/bus/pci/devices/{entry}/vendor") as f:
-                vendor = f.read().strip()
-        except OSError:
-            continue
-        count += vendor == _GOOGLE_PCI_VENDOR
-    return count
+    from xlatrain.diagnostics.doctor import find_tpu_chips  # the one table of TPU PCI ids
+
+    return len(find_tpu_chips())
 
 
 def tpu_present() -> bool:
@@ -82,7 +69,9 @@ def spawn(fn: Callable[..., Any], args: tuple[Any, ...] = (), devices: int | Non
 class XlaBackend:
     name = "xla"
 
-    def __init__(self, devices: int | None = None, mode: str = "spmd", require_tpu: bool = False) -> None:
+    def __init__(
+        self, devices: int | None = None, mode: str = "spmd", require_tpu: bool = False, compile_cache: bool = True
+    ) -> None:
         if mode not in ("spmd", "multiprocess"):
             raise ValueError(f"xla_mode={mode!r} is not valid: choose 'spmd' or 'multiprocess'")
         if require_tpu and not tpu_present():
@@ -96,6 +85,7 @@ class XlaBackend:
         import torch_xla
         import torch_xla.runtime as xr
 
+        self.compile_cache_dir = _start_compile_cache(mode) if compile_cache else None
         self.mode = mode
         if mode == "spmd":
             import torch_xla.distributed.spmd as xs
@@ -136,8 +126,19 @@ class XlaBackend:
         return f"xla ({self._device_type}, {self.world_size} device(s)), {how}"
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        # Parameters on an SPMD device with no sharding annotation are replicated.
-        return model.to(self.device)
+        # Moving to an XLA device makes a new Parameter per name, so a weight reachable under two
+        # names (tied embeddings) would become two; record the ties and restore them after.
+        ties: dict[int, tuple[torch.nn.Module, str]] = {}
+        aliases: list[tuple[torch.nn.Module, str, torch.nn.Module, str]] = []
+        for module in model.modules():
+            for name, param in module.named_parameters(recurse=False):
+                first = ties.setdefault(id(param), (module, name))
+                if first != (module, name):
+                    aliases.append((module, name, *first))
+        model = model.to(self.device)  # no sharding annotation under SPMD: replicated
+        for module, name, owner, owner_name in aliases:
+            setattr(module, name, getattr(owner, owner_name))
+        return model
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         return model
@@ -230,10 +231,15 @@ class XlaBackend:
 
         compile_data = met.metric_data("CompileTime")
         transfer_data = met.metric_data("TransferFromDeviceTime")
-        return {
+        stats = {
             "xla_compilations": compile_data[0] if compile_data else 0,
             "xla_host_transfers": transfer_data[0] if transfer_data else 0,
         }
+        if self.compile_cache_dir is not None:
+            for name, key in (("PersistentCacheHit", "hits"), ("PersistentCacheMiss", "misses"),
+                              ("PersistentCacheDeserializeFailure", "load_failures")):
+                stats[f"xla_cache_{key}"] = met.counter_value(name) or 0
+        return stats
 
     def seed_everything(self, seed: int) -> None:
         import torch_xla.core.xla_model as xm
@@ -268,6 +274,27 @@ class XlaBackend:
 
     def any_process(self, flag: bool) -> bool:
         return any(self.gather_objects(bool(flag)))
+
+
+def _start_compile_cache(mode: str) -> str | None:
+    """torch_xla's persistent compilation cache, so a second identical run skips compiling.
+
+    Must start before the first computation; a process that already compiled keeps running
+    without it. On XLA:CPU torch_xla 2.9 writes entries but cannot load them back (the history's
+    ``xla_cache_load_failures`` column says so); the saving shows on TPU and GPU.
+    """
+    import torch_xla
+    import torch_xla.runtime as xr
+
+    from xlatrain.diagnostics.doctor import default_cache_dir
+
+    if torch_xla._XLAC._xla_computation_cache_is_initialized():
+        return None
+    path = default_cache_dir()
+    path.mkdir(parents=True, exist_ok=True)
+    # One writer per host: the other processes of a one-process-per-chip job only read.
+    xr.initialize_cache(str(path), readonly=mode == "multiprocess" and xr.local_ordinal() != 0)
+    return str(path)
 
 
 class _ShardedLoader:

@@ -7,6 +7,7 @@ inputs. Runs on whatever ``accelerator="auto"`` finds.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,6 +16,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from xlatrain.config import BackendConfig, TrainConfig
+from xlatrain.models import SmallCNN
 from xlatrain.report import plot_loss_curve
 from xlatrain.train.trainer import Trainer
 
@@ -36,18 +38,25 @@ def digits_datasets(image_size: int = IMAGE_SIZE, val_fraction: float = 0.2, see
     return TensorDataset(images[train_idx], labels[train_idx]), TensorDataset(images[val_idx], labels[val_idx])
 
 
-class SmallCNN(nn.Module):
-    def __init__(self, num_classes: int = 10, width: int = 32) -> None:
-        super().__init__()
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    image_size: int = IMAGE_SIZE
+    val_fraction: float = 0.2
+    seed: int = 0
 
-        def block(cin: int, cout: int) -> nn.Sequential:
-            return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU(), nn.MaxPool2d(2))
 
-        self.features = nn.Sequential(block(1, width), block(width, 2 * width), block(2 * width, 2 * width))
-        self.head = nn.Linear(2 * width, num_classes)
+def build(config: Any) -> Any:
+    """The digits recipe for ``xlatrain fit`` (``model.name``: small_cnn or any classifier)."""
+    from xlatrain.config import from_dict
+    from xlatrain.models import build_model
+    from xlatrain.recipes.run import RecipeParts
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.features(x).mean(dim=(2, 3)))
+    data = from_dict(DataConfig, config.data, section="data")
+    train_set, val_set = digits_datasets(data.image_size, data.val_fraction, data.seed)
+    torch.manual_seed(config.trainer.seed)
+    extra = {"width": config.model.width} if config.model.width else {}
+    model = build_model(config.model.name, num_outputs=10, in_channels=1, pretrained=config.model.pretrained, **extra)
+    return RecipeParts(model=model, loss_fn=nn.CrossEntropyLoss(), train_data=train_set, val_data=val_set)
 
 
 def run_demo(
@@ -62,7 +71,7 @@ def run_demo(
     torch.manual_seed(seed)
     train_set, val_set = digits_datasets(seed=seed)
     trainer = Trainer(
-        SmallCNN(),
+        SmallCNN(in_channels=1, num_outputs=10, width=32),
         nn.CrossEntropyLoss(),
         functools.partial(torch.optim.Adam, lr=2e-3),
         scheduler_fn=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=5, gamma=0.5),

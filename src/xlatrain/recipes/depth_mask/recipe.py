@@ -1,0 +1,41 @@
+"""The depth-and-mask recipe for ``xlatrain fit`` (config: ``configs/depth_mask.yaml``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from xlatrain.config import from_dict
+from xlatrain.recipes.depth_mask.data import IMAGE_SIZE, DepthMaskDataset
+from xlatrain.recipes.depth_mask.loss import DepthMaskLoss
+from xlatrain.recipes.depth_mask.metrics import depth_mask_metrics
+from xlatrain.recipes.depth_mask.model import build_depth_mask_model
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    num_train: int = 512
+    num_val: int = 128
+    image_size: int = IMAGE_SIZE
+    seed: int = 0
+    mask_weight: float = 1.0
+    depth_weight: float = 1.0
+
+
+def build(config: Any) -> Any:
+    from xlatrain.recipes.run import RecipeParts
+
+    data = from_dict(DataConfig, config.data, section="data")
+    torch.manual_seed(config.trainer.seed)
+    model = build_depth_mask_model(
+        width=config.model.width or 64, blocks=tuple(config.model.blocks or (3, 4, 6, 3)), pretrained=config.model.pretrained
+    )
+    return RecipeParts(
+        model=model,
+        loss_fn=DepthMaskLoss(mask_weight=data.mask_weight, depth_weight=data.depth_weight),
+        train_data=DepthMaskDataset(data.num_train, image_size=data.image_size, seed=data.seed),
+        val_data=DepthMaskDataset(data.num_val, image_size=data.image_size, seed=data.seed + 1),
+        metrics_fn=depth_mask_metrics,
+    )

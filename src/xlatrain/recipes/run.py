@@ -1,0 +1,81 @@
+"""Run a recipe from a :class:`~xlatrain.config.RunConfig` (what ``xlatrain fit CONFIG.yaml`` does).
+
+A recipe is a module with a ``DataConfig`` dataclass (its ``data:`` section) and
+``build(config) -> RecipeParts``. Recipes import the core, never the reverse.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from xlatrain.checkpoint import atomic_write_text
+from xlatrain.config import OptimizerConfig, RunConfig, ScheduleConfig, dump_yaml
+from xlatrain.train.trainer import Trainer
+
+RECIPES = {
+    "digits": "xlatrain.recipes.digits",
+    "depth_mask": "xlatrain.recipes.depth_mask.recipe",
+    "pe_detection": "xlatrain.recipes.pe_detection.recipe",
+}
+
+
+@dataclass
+class RecipeParts:
+    model: torch.nn.Module
+    loss_fn: Callable[..., torch.Tensor]
+    train_data: Any
+    val_data: Any
+    metrics_fn: Callable[[Any, Any], dict[str, float]] | None = None
+    label_names: Sequence[str] | None = None
+
+
+def recipe_module(name: str) -> Any:
+    if name not in RECIPES:
+        raise ValueError(f"unknown recipe {name!r}: choose one of {', '.join(sorted(RECIPES))}")
+    return importlib.import_module(RECIPES[name])
+
+
+def optimizer_factory(cfg: OptimizerConfig) -> Callable[..., torch.optim.Optimizer]:
+    if cfg.name == "sgd":
+        return functools.partial(torch.optim.SGD, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    cls = torch.optim.AdamW if cfg.name == "adamw" else torch.optim.Adam
+    return functools.partial(cls, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def scheduler_factory(cfg: ScheduleConfig, epochs: int) -> Callable[..., Any] | None:
+    if cfg.name == "step":
+        return functools.partial(torch.optim.lr_scheduler.StepLR, step_size=cfg.step_size, gamma=cfg.gamma)
+    if cfg.name == "cosine":
+        return functools.partial(torch.optim.lr_scheduler.CosineAnnealingLR, T_max=epochs)
+    return None
+
+
+def build_trainer(config: RunConfig) -> tuple[Trainer, RecipeParts]:
+    parts = recipe_module(config.recipe).build(config)
+    trainer = Trainer(
+        parts.model,
+        parts.loss_fn,
+        optimizer_factory(config.optimizer),
+        scheduler_fn=scheduler_factory(config.schedule, config.trainer.epochs),
+        config=config.trainer,
+        checkpoint=config.checkpoint,
+        backend=config.backend,
+        label_names=parts.label_names,
+        metrics_fn=parts.metrics_fn,
+    )
+    return trainer, parts
+
+
+def run(config: RunConfig, resume: bool | str = "auto") -> tuple[Trainer, list[dict[str, Any]]]:
+    """Build the recipe, train it, and leave ``config.yaml`` (resolved) in the run directory."""
+    trainer, parts = build_trainer(config)
+    history = trainer.fit(parts.train_data, parts.val_data, resume=resume)
+    if trainer.backend.is_main:
+        atomic_write_text(trainer.run_dir / "config.yaml", dump_yaml(config))
+    return trainer, history
