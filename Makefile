@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: venv test stress demo bench lock clean
+.PHONY: venv test stress demo pe-demo bench lock clean
 
 venv: $(STAMP)
 
@@ -26,6 +26,10 @@ stress: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/xlatrain demo --run-dir runs/demo
+
+# The PE-detection recipe on generated RSNA-shaped data, compared with the prior baseline.
+pe-demo: $(STAMP)
+	$(BIN)/python -m xlatrain.recipes.pe_detection.demo configs/pe_detection.yaml
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run --out benchmarks/results.json

@@ -14,8 +14,8 @@ import pytest
 SCRIPTS = Path(__file__).parent / "scripts"
 
 
-def run_script(args: list[str], env: dict[str, str] | None = None, timeout: int = 300) -> list[dict]:
-    """Run ``args`` (a script path first, or a launcher like torchrun) and return its HISTORY json."""
+def run_command(args: list[str], env: dict[str, str] | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run ``args`` in a clean environment (no inherited PJRT/XLA settings); fail with its output."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("PJRT_", "CPU_NUM_DEVICES", "XLA_"))}
     full_env.update(env or {})
     full_env["PYTHONPATH"] = str(SCRIPTS)
@@ -24,6 +24,12 @@ def run_script(args: list[str], env: dict[str, str] | None = None, timeout: int 
     proc = subprocess.run(args, env=full_env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(args)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def run_script(args: list[str], env: dict[str, str] | None = None, timeout: int = 300) -> list[dict]:
+    """Run ``args`` (a script path first, or a launcher like torchrun) and return its HISTORY json."""
+    proc = run_command(args, env, timeout)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("HISTORY ")]
     assert len(lines) == 1, f"expected one HISTORY line from the main process, got {len(lines)}:\n{proc.stdout}"
     return json.loads(lines[0][len("HISTORY ") :])

@@ -131,7 +131,6 @@ class Trainer:
         self.history: list[dict[str, Any]] = []
         self._eval_loss: Callable[[Any, Any], torch.Tensor] | None = None
         self._run_dir = Path(cfg.run_dir)
-        self._monitor_now = self.monitor
         self._nonfinite: tuple[int, int, int, int] | None = None  # set by a deferred read
         self._best_epoch: int | None = None
         self._best_checkpoint: str | None = None
@@ -161,9 +160,8 @@ class Trainer:
         self._open_run_dir(resume)
         be.seed_everything(cfg.seed)
         feed = _TrainFeed(self, train_data)
-        self._monitor_now = self.monitor
         if val_data is None and self.monitor.startswith("val_") and cfg.monitor is None:
-            self._monitor_now, self.monitor_mode = "train_loss", "min"
+            self.monitor, self.monitor_mode = "train_loss", "min"  # nothing validated to monitor
         cursor, sums = self._resume(resume)
         self.history = cursor.history
         self._say(
@@ -196,7 +194,7 @@ class Trainer:
                     write_history(self.run_dir, self.history)
                 if self.checkpoint.enabled and self.checkpoint.at_epoch_end:
                     self._save_checkpoint(cursor, sums)
-                self._say(_epoch_line(row, cfg.epochs, self._monitor_now, improved))
+                self._say(_epoch_line(row, cfg.epochs, self.monitor, improved))
         be.barrier()
         return self.history
 
@@ -390,7 +388,7 @@ class Trainer:
         )
 
     def _track_best(self, row: dict[str, Any], cursor: Cursor) -> bool:
-        monitor = self._monitor_now
+        monitor = self.monitor
         if monitor not in row:
             raise ValueError(f"monitor={monitor!r} is not a history column; available: {', '.join(row)}")
         value, best = row[monitor], cursor.best

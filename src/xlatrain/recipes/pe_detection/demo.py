@@ -1,0 +1,41 @@
+"""``make pe-demo``: train the PE recipe on generated data and compare it with the prior baseline.
+
+    python -m xlatrain.recipes.pe_detection.demo [CONFIG.yaml] [--set key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from xlatrain.config import load_run_config
+from xlatrain.recipes.pe_detection.recipe import baseline
+from xlatrain.recipes.run import run
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("config", nargs="?", default="configs/pe_detection.yaml")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    args = parser.parse_args(argv)
+    config = load_run_config(args.config, args.set)
+    trainer, history = run(config)
+    if not trainer.backend.is_main:
+        return 0
+    prior = baseline(config)
+    # The epoch whose weights are in best.safetensors (the config monitors the weighted log loss).
+    monitor = trainer.monitor
+    pick = min if trainer.monitor_mode == "min" else max
+    best = pick(history, key=lambda r: r[monitor])
+    print(
+        f"\nvalidation (fold {config.data.get('fold', 0)}), best epoch {best['epoch']}:\n"
+        f"  mean AUC           model {best['val_mean_auc']:.4f}   prior baseline {prior['mean_auc']:.4f}\n"
+        f"  weighted log loss  model {best['val_weighted_log_loss']:.4f}   prior baseline {prior['weighted_log_loss']:.4f}"
+    )
+    beats = best["val_mean_auc"] > prior["mean_auc"] + 0.05 and best["val_weighted_log_loss"] < prior["weighted_log_loss"]
+    print("  -> beats the prior baseline" if beats else "  -> does NOT beat the prior baseline")
+    return 0 if beats else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

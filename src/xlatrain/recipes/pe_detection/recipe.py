@@ -1,0 +1,184 @@
+"""The PE-detection recipe for ``xlatrain fit`` (config: ``configs/pe_detection.yaml``).
+
+Multi-label classification of CT slices shaped like RSNA STR PE: ten sigmoid outputs (the image
+label and nine exam-level labels), BCE loss, folds grouped by study, per-label AUC, mean AUC and
+the competition's weighted log loss. Without real data the recipe generates a synthetic set with
+the same layout and packs it, so the whole path (folder -> shards -> Trainer) runs anywhere.
+"""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from xlatrain.config import from_dict
+from xlatrain.recipes.pe_detection.labels import ID_COLUMNS, STUDY_COLUMN, TARGET_NAMES
+from xlatrain.recipes.pe_detection.metrics import make_metrics_fn, prior_baseline
+
+SOURCES = ("shards", "folder")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """``root`` holds ``train.csv`` + ``train/`` (RSNA layout); ``shards`` the packed copy.
+
+    Either is created when missing and ``synthetic`` is on (the default): ``num_studies``
+    exams of ``slices_per_study`` slices at ``stored_size`` px.
+    """
+
+    root: str = "runs/data/pe_synthetic"
+    shards: str | None = None  # default: ROOT/shards
+    source: str = "shards"
+    synthetic: bool = True
+    num_studies: int = 60
+    slices_per_study: list[int] = (16, 24)  # type: ignore[assignment]
+    stored_size: int = 256
+    image_size: int = 64
+    num_folds: int = 5
+    fold: int = 0
+    seed: int = 0
+    workers: int = 2
+    hflip: float = 0.5
+    rotate_degrees: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.source not in SOURCES:
+            raise ValueError(f"data.source={self.source!r} is not valid: choose one of {', '.join(SOURCES)}")
+        if not 0 <= self.fold < self.num_folds:
+            raise ValueError(f"data.fold={self.fold} is not valid: use 0..{self.num_folds - 1}")
+
+    @property
+    def shard_dir(self) -> Path:
+        return Path(self.shards) if self.shards else Path(self.root) / "shards"
+
+
+def prepare_data(data: DataConfig) -> None:
+    """Generate the synthetic folder and pack it, when they are not there yet."""
+    from xlatrain.data import synthetic_rsna
+    from xlatrain.data.pack import pack
+
+    root = Path(data.root)
+    if not (root / "train.csv").is_file():
+        if not data.synthetic:
+            raise ValueError(f"{root}/train.csv does not exist: point data.root at an RSNA-layout folder")
+        print(f"generating a synthetic RSNA-shaped dataset in {root} ...", flush=True)
+        lo, hi = data.slices_per_study
+        synthetic_rsna.generate(
+            root, num_studies=data.num_studies, slices_per_study=(lo, hi), image_size=data.stored_size,
+            seed=data.seed, workers=data.workers,
+        )
+    if data.source == "shards" and not (data.shard_dir / "manifest.json").is_file():
+        print(f"packing {root} into {data.shard_dir} ...", flush=True)
+        pack(
+            root / "train.csv", root / "train", data.shard_dir, path_columns=list(ID_COLUMNS), suffix=".jpg",
+            labels=list(TARGET_NAMES), group=STUDY_COLUMN, workers=data.workers, progress=False,
+        )
+
+
+class FolderDataset(Dataset[Any]):
+    """The unpacked folder, one JPEG read and decoded per item (uint8 ``1 x S x S``, 10 float labels)."""
+
+    def __init__(self, root: str | Path, rows: list[dict[str, str]], image_size: int) -> None:
+        self.root = Path(root)
+        self.rows = rows
+        self.image_size = image_size
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        from xlatrain.data.decode import decode_tensor
+
+        row = self.rows[i]
+        path = self.root / "train" / "/".join(row[c] for c in ID_COLUMNS)
+        image = decode_tensor(path.with_suffix(".jpg").read_bytes(), size=self.image_size, channels=1)
+        return image, torch.tensor([float(row[name]) for name in TARGET_NAMES])
+
+
+def _read_rows(csv_path: Path) -> list[dict[str, str]]:
+    with open(csv_path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@dataclass
+class Split:
+    """One fold: datasets plus, in dataset order, what the metrics and the baseline need."""
+
+    train: Any
+    val: Any
+    train_labels: np.ndarray  # [N, 10]
+    train_studies: np.ndarray
+    val_labels: np.ndarray
+    val_studies: np.ndarray
+
+
+def datasets(data: DataConfig) -> Split:
+    """Train / validation of fold ``data.fold``, grouped by study (no study on both sides)."""
+    from xlatrain.data.shards import Augment, ShardDataset
+    from xlatrain.data.splits import group_kfold
+
+    prepare_data(data)
+    if data.source == "shards":
+        full = ShardDataset(data.shard_dir, image_size=data.image_size, channels=1, labels=list(TARGET_NAMES))
+        groups, labels = full.groups, full.labels
+        train_ids, val_ids = group_kfold(groups, num_folds=data.num_folds, fold=data.fold, seed=data.seed)
+        augment = Augment(hflip=data.hflip, rotate_degrees=data.rotate_degrees)
+        train, val = full.subset(train_ids, augment=augment), full.subset(val_ids)
+    else:
+        rows = _read_rows(Path(data.root) / "train.csv")
+        groups = np.asarray([r[STUDY_COLUMN] for r in rows], dtype=object)
+        labels = np.asarray([[float(r[n]) for n in TARGET_NAMES] for r in rows], dtype=np.float64)
+        train_ids, val_ids = group_kfold(groups, num_folds=data.num_folds, fold=data.fold, seed=data.seed)
+        train = FolderDataset(data.root, [rows[i] for i in train_ids], data.image_size)
+        val = FolderDataset(data.root, [rows[i] for i in val_ids], data.image_size)
+    return Split(train, val, labels[train_ids], groups[train_ids], labels[val_ids], groups[val_ids])
+
+
+class SliceClassifier(nn.Module):
+    """uint8 slices in, ten logits out: normalisation happens on the device, in the model."""
+
+    def __init__(self, backbone: nn.Module) -> None:
+        super().__init__()
+        from xlatrain.data.shards import NormalizeInput
+
+        self.normalize = NormalizeInput(mean=[0.25], std=[0.25])
+        self.backbone = backbone
+
+    def forward(self, images_B1HW: torch.Tensor) -> torch.Tensor:
+        return self.backbone(self.normalize(images_B1HW))
+
+
+def build(config: Any) -> Any:
+    from xlatrain.models import build_model
+    from xlatrain.recipes.run import RecipeParts
+
+    split = datasets(from_dict(DataConfig, config.data, section="data"))
+    torch.manual_seed(config.trainer.seed)
+    extra = {"width": config.model.width} if config.model.width else {}
+    backbone = build_model(
+        config.model.name, num_outputs=len(TARGET_NAMES), in_channels=1, pretrained=config.model.pretrained, **extra
+    )
+    return RecipeParts(
+        model=SliceClassifier(backbone),
+        loss_fn=nn.BCEWithLogitsLoss(),
+        train_data=split.train,
+        val_data=split.val,
+        metrics_fn=make_metrics_fn(split.val_studies),
+        label_names=list(TARGET_NAMES),
+    )
+
+
+def baseline(config: Any) -> dict[str, float]:
+    """The prior-probability baseline on the same validation fold (what a model must beat)."""
+    split = datasets(from_dict(DataConfig, config.data, section="data"))
+    return prior_baseline(split.train_labels, split.train_studies, split.val_labels, split.val_studies)
+
+
+__all__ = ["DataConfig", "FolderDataset", "SliceClassifier", "Split", "baseline", "build", "datasets", "prepare_data"]
