@@ -125,6 +125,11 @@ def test_path_column_and_wildcard_template(tmp_path):
     assert by_column.num_records == by_glob.num_records == 4
     assert [r.path for r in iter_records(tmp_path / "s2")] == [f"a/{i:04d}_uid{i}.jpg" for i in range(4)]
     assert by_glob.skipped[0].reason == "no file matches" and by_column.skipped[0].reason == "missing file"
+    for flags in (["--path-column", "path"], ["--path-template", "a/*_{uid}.jpg"]):
+        out = tmp_path / flags[0]
+        code = _cli(["pack", "--csv", str(tmp_path / "t.csv"), "--images", str(images), "--out", str(out), *flags,
+                     "--labels", "label", "--workers", "1", "--quiet"])
+        assert code == 0 and read_manifest(out)["num_records"] == 4
 
 
 def test_max_side_reencodes_large_images_once(rsna, tmp_path):
