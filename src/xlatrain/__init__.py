@@ -3,6 +3,7 @@
 from xlatrain.backend import Backend, BackendUnavailableError, select_backend, spawn
 from xlatrain.checkpoint import load_weights, save_weights
 from xlatrain.config import BackendConfig, CheckpointConfig, TrainConfig
+from xlatrain.diagnostics.run import DiagnosticsError
 from xlatrain.train.trainer import NonFiniteLossError, Trainer
 
 __version__ = "0.1.0"
@@ -12,6 +13,7 @@ __all__ = [
     "BackendConfig",
     "BackendUnavailableError",
     "CheckpointConfig",
+    "DiagnosticsError",
     "NonFiniteLossError",
     "TrainConfig",
     "Trainer",

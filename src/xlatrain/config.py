@@ -81,6 +81,10 @@ class TrainConfig:
             checkpoint (no per-step read): ``stop`` (raise, naming the step range; the last good
             checkpoint stays latest), ``skip_step`` (such steps leave weights and optimizer state
             unchanged, at the cost of a copy of both per step), ``ignore``.
+        diagnostics: gather why-is-it-slow evidence (recompilations and their causes, device
+            reads outside the planned ones, CPU fallbacks, compile and input-wait shares) and
+            report it at the end of ``fit`` and in ``RUN_DIR/diagnostics.json``.
+        strict: make a recompilation or an unplanned device read after the first epoch an error.
         run_dir: where history, best weights, checkpoints and plots go.
     """
 
@@ -99,6 +103,8 @@ class TrainConfig:
     monitor_mode: str | None = None
     scheduler_interval: str = "epoch"
     nan_policy: str = "stop"
+    diagnostics: bool = True
+    strict: bool = False
     run_dir: str = "runs/default"
 
     def __post_init__(self) -> None:

@@ -87,6 +87,14 @@ def test_pe_recipe_runs_unchanged_on_four_xla_cpu_devices(tmp_path):
                    env={"PJRT_DEVICE": "CPU"})
     assert history[-1]["train_loss"] < history[0]["train_loss"]
     assert history[-1]["xla_compilations"] == history[0]["xla_compilations"]
+    _assert_no_xla_waste(tmp_path)
+
+
+def _assert_no_xla_waste(tmp_path):
+    """No recompilation, shape change or unplanned device read anywhere in the run."""
+    report = json.loads((tmp_path / "run" / "diagnostics.json").read_text())
+    codes = {f["code"] for f in report["findings"]}
+    assert not codes & {"recompilation-after-warmup", "input-shape-change", "host-sync-per-step", "cpu-fallback-ops"}, report
 
 
 @pytest.mark.xla
@@ -96,6 +104,7 @@ def test_depth_mask_recipe_on_xla_cpu_has_no_recompilation_after_warm_up(tmp_pat
     assert history[-1]["train_loss"] < history[0]["train_loss"]
     assert {"val_dice", "val_iou", "val_depth_rmse"} <= set(history[-1])
     assert len({row["xla_compilations"] for row in history}) == 1
+    _assert_no_xla_waste(tmp_path)
 
 
 def test_report_writes_pngs_and_a_summary(tmp_path):

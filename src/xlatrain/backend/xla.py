@@ -107,6 +107,7 @@ class XlaBackend:
             self.devices_per_process = 1
         self.device = torch_xla.device()
         self._device_type = xr.device_type() or "CPU"
+        self.planned_reads = 0  # host reads made through defer/read
 
     def _check_count(self, asked: int | None, found: int) -> None:
         if asked is not None and asked != found:
@@ -208,6 +209,7 @@ class XlaBackend:
     def defer(self, fn: Callable[..., None], tensors: Sequence[torch.Tensor]) -> None:
         import torch_xla.core.xla_model as xm
 
+        self.planned_reads += 1  # diagnostics tell these apart from reads the user's code makes
         # Runs after the step's graph has executed: one transfer for all tensors, no extra compile.
         xm.add_step_closure(lambda *ts: fn(*xm._maybe_convert_to_cpu(list(ts))), args=tuple(tensors))
 
@@ -217,6 +219,7 @@ class XlaBackend:
         import torch_xla.core.xla_model as xm
 
         torch_xla.sync()
+        self.planned_reads += bool(tensors)
         # One transfer for the whole list (what xm.save uses), not one per tensor.
         return list(xm._maybe_convert_to_cpu(list(tensors))) if tensors else []
 

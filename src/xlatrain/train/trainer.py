@@ -33,6 +33,7 @@ from xlatrain.checkpoint import (
 from xlatrain.config import BackendConfig, CheckpointConfig, TrainConfig
 from xlatrain.data.sampling import EvalSampler, PaddedDataset, TrainSampler
 from xlatrain.data.source import BatchSource, train_steps_per_epoch
+from xlatrain.diagnostics.run import RunDiagnostics
 from xlatrain.report import write_history
 from xlatrain.train.metrics import EvalAccumulator, RowCollector, as_float, default_monitor, infer_task, per_sample_loss
 from xlatrain.train.state import Cursor
@@ -134,6 +135,7 @@ class Trainer:
         self._nonfinite: tuple[int, int, int, int] | None = None  # set by a deferred read
         self._best_epoch: int | None = None
         self._best_checkpoint: str | None = None
+        self._diag: RunDiagnostics | None = None
 
     # ----------------------------------------------------------------------------------------
     @property
@@ -164,6 +166,9 @@ class Trainer:
             self.monitor, self.monitor_mode = "train_loss", "min"  # nothing validated to monitor
         cursor, sums = self._resume(resume)
         self.history = cursor.history
+        self._diag = (
+            RunDiagnostics(be, per_device_batch=cfg.batch_size, strict=cfg.strict) if cfg.diagnostics else None
+        )
         self._say(
             f"xlatrain: {be.describe()} | global batch {self.global_batch_size * cfg.grad_accum_steps} = "
             f"{cfg.batch_size} per device x {be.world_size} device(s)"
@@ -183,6 +188,8 @@ class Trainer:
                     metrics = self.evaluate(val_data)
                     row.update({f"val_{k}": v for k, v in metrics.items() if k != "num_samples"})
                 row["epoch_time_s"] = round(time.perf_counter() - started, 3)
+                if self._diag is not None:
+                    row["input_bound_share"] = round(self._diag.end_epoch(epoch)["input_bound_share"], 4)
                 row.update(be.runtime_stats())
                 if self.scheduler is not None and cfg.scheduler_interval == "epoch":
                     self.scheduler.step()
@@ -195,6 +202,8 @@ class Trainer:
                 if self.checkpoint.enabled and self.checkpoint.at_epoch_end:
                     self._save_checkpoint(cursor, sums)
                 self._say(_epoch_line(row, cfg.epochs, self.monitor, improved))
+        if self._diag is not None:
+            self._diag.finish(self.run_dir, be.is_main)
         be.barrier()
         return self.history
 
@@ -204,6 +213,8 @@ class Trainer:
         if self._eval_loss is None:
             self._eval_loss = per_sample_loss(self.loss_fn)
         batches, layout = self._eval_batches(data)
+        if self._diag is not None:
+            batches = self._diag.timed(batches, "eval", 0)
         keep_rows = self.metrics_fn is not None or self.task == "multilabel"
         acc = EvalAccumulator(self.task, be.device, RowCollector(be, layout) if keep_rows else None)
         self.model.eval()
@@ -245,7 +256,10 @@ class Trainer:
         model.train()
         progress = _Progress(self, cursor.epoch, num_steps, cursor.step)
         every = self.checkpoint.every_steps if self.checkpoint.enabled else None
-        for step, batch in enumerate(feed.batches(cursor.epoch, cursor.step), start=cursor.step + 1):
+        batches = feed.batches(cursor.epoch, cursor.step)
+        if self._diag is not None:
+            batches = self._diag.timed(batches, "train", cursor.epoch)
+        for step, batch in enumerate(batches, start=cursor.step + 1):
             inputs, targets = _split(batch)
             last_micro = step % accum == 0
             be.step_begin(((cfg.seed * 1_000_003 + cursor.epoch) * 1_000_003 + step) % 2**62)
