@@ -329,8 +329,11 @@ class _UpBlock(nn.Module):
         self.conv = nn.Sequential(_conv_bn_relu(cin + skip, cout), _conv_bn_relu(cout, cout))
 
     def forward(self, x_BCHW: torch.Tensor, skip_BCHW: torch.Tensor) -> torch.Tensor:
-        # The output size comes from the skip tensor's static shape: one graph per input size.
-        up_BCHW = F.interpolate(x_BCHW, size=skip_BCHW.shape[-2:], mode="bilinear", align_corners=False)
+        # 2x nearest upsampling written as expand + reshape: torch_xla 2.9 has no lowering for
+        # upsample_{bilinear,nearest}2d_backward, so F.interpolate sent every backward through
+        # the CPU (4 host round trips per step, found by the run diagnostics).
+        B, C, H, W = x_BCHW.shape
+        up_BCHW = x_BCHW[:, :, :, None, :, None].expand(B, C, H, 2, W, 2).reshape(B, C, 2 * H, 2 * W)
         return self.conv(torch.cat([up_BCHW, skip_BCHW], dim=1))
 
 
