@@ -15,7 +15,7 @@ from pathlib import Path
 
 from xlatrain.checkpoint import atomic_write_text
 
-ENTRIES = ["trainer_overhead"]
+ENTRIES = ["trainer_overhead", "input_pipeline", "xla_loop", "compile_cache"]
 
 
 def _markdown(results: dict) -> str:

@@ -67,9 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--fresh", action="store_true", help="start over in a new run directory")
     fit.set_defaults(func=_fit)
 
+    from xlatrain.data.pack import add_pack_parser
     from xlatrain.diagnostics.cli import add_doctor_parser
 
     add_doctor_parser(sub)
+    add_pack_parser(sub)
 
     report = sub.add_parser("report", help="plots and a markdown summary of a run directory")
     report.add_argument("run_dir")

@@ -70,11 +70,11 @@ def _figure_png(draw: Any) -> bytes:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+    fig, ax = plt.subplots(figsize=(8, 4), dpi=100)
     draw(ax)
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))  # beside, not over, the lines
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
