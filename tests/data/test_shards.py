@@ -269,6 +269,9 @@ def test_normalisation_happens_on_the_device_side():
     assert out.dtype == torch.float32 and torch.allclose(out, expected, atol=1e-6)
     layer = NormalizeInput(mean=[0.5, 0.2], std=[0.5, 0.1])
     assert torch.allclose(layer(x), expected, atol=1e-6) and layer.state_dict() == {}
+    grey = torch.full((2, 1, 4, 4), 128, dtype=torch.uint8)
+    rgb = NormalizeInput(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])(grey)
+    assert rgb.shape == (2, 3, 4, 4)  # a grey batch becomes the model's three channels on the device
 
 
 class _TinyNet(nn.Module):

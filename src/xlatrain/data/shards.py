@@ -945,6 +945,9 @@ def normalize_on_device(
 class NormalizeInput(torch.nn.Module):
     """A first layer that turns uint8 images into normalised float32 on the device.
 
+    With three means and stds, a one-channel (grey) batch broadcasts to three channels here, on
+    the device: read grey slices with ``channels=1`` and the host decodes and sends a third.
+
     Example:
         >>> model = torch.nn.Sequential(NormalizeInput(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225]), resnet)
     """
