@@ -198,6 +198,9 @@ def test_a_corrupt_record_raises_naming_the_shard_or_is_skipped_and_counted(tmp_
     ds = ShardDataset(root, shuffle=False)
     with pytest.raises(ShardError, match=f"record 3 of shard {shard} \\(source {source}\\): CRC32 checksum mismatch"):
         list(ds.train_batches(loader_batch=4, num_processes=1, process_index=0, seed=0, epoch=1))
+    with ShardDataset(root, shuffle=False, num_workers=1) as in_workers:  # re-raised in this process
+        with pytest.raises(ShardError, match=f"record 3 of shard {shard}"):
+            list(in_workers.train_batches(loader_batch=4, num_processes=1, process_index=0, seed=0, epoch=1))
     skip = ShardDataset(root, shuffle=False, on_error="skip")
     with pytest.warns(UserWarning, match=f"skipping record 3 of shard {shard}"):
         batches = list(skip.train_batches(loader_batch=4, num_processes=1, process_index=0, seed=0, epoch=1))

@@ -18,7 +18,7 @@ import csv
 import fnmatch
 import glob
 import hashlib
-import io
+import itertools
 import json
 import os
 import string
@@ -30,7 +30,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import simplejpeg
 
@@ -274,26 +274,38 @@ def _check_chunk(paths: list[str], max_side: int | None, quality: int) -> list[t
     return [_check_image(p, max_side, quality) for p in paths]
 
 
-def _checked(paths: list[str | None], opts: PackOptions) -> Iterator[tuple[Any, ...]]:
-    """Results for ``paths`` in order (``None`` -> not resolved), at most a few chunks in flight."""
-    chunks = [paths[i : i + _CHUNK] for i in range(0, len(paths), _CHUNK)]
+class _Row(NamedTuple):
+    line: int  # in the CSV file (the header is line 1)
+    path: str  # relative to the image folder, as recorded
+    file: str | None  # absolute path to read; None when the template matched no single file
+    why: str  # why ``file`` is None
+    labels: tuple[float, ...]
+    group: str
 
-    def run(chunk: list[str | None]) -> list[tuple[Any, ...]]:
-        return _check_chunk([p for p in chunk if p is not None], opts.max_side, opts.quality)
 
-    def merge(chunk: list[str | None], results: list[tuple[Any, ...]]) -> Iterator[tuple[Any, ...]]:
+def _checked(rows: Iterator[_Row], opts: PackOptions) -> Iterator[tuple[_Row, tuple[Any, ...]]]:
+    """Each row with its image check, in CSV order; rows are read lazily, a few chunks ahead."""
+    chunks = iter(lambda: list(itertools.islice(rows, _CHUNK)), [])
+
+    def submit(pool: ProcessPoolExecutor | None, chunk: list[_Row]) -> Any:
+        paths = [r.file for r in chunk if r.file is not None]
+        if pool is None:
+            return _check_chunk(paths, opts.max_side, opts.quality)
+        return pool.submit(_check_chunk, paths, opts.max_side, opts.quality)
+
+    def merge(chunk: list[_Row], results: list[tuple[Any, ...]]) -> Iterator[tuple[_Row, tuple[Any, ...]]]:
         it = iter(results)
-        for p in chunk:
-            yield ("unresolved",) if p is None else next(it)
+        for row in chunk:
+            yield row, (("skip", row.why) if row.file is None else next(it))
 
     if opts.workers == 1:
         for chunk in chunks:
-            yield from merge(chunk, run(chunk))
+            yield from merge(chunk, submit(None, chunk))
         return
     with ProcessPoolExecutor(opts.workers) as pool:
-        pending: deque[tuple[list[str | None], Future[list[tuple[Any, ...]]]]] = deque()
+        pending: deque[tuple[list[_Row], Future[list[tuple[Any, ...]]]]] = deque()
         for chunk in chunks:
-            pending.append((chunk, pool.submit(_check_chunk, [p for p in chunk if p is not None], opts.max_side, opts.quality)))
+            pending.append((chunk, submit(pool, chunk)))
             # Bounded: results hold image bytes, and the writer may be slower than the readers.
             while len(pending) > 4 * opts.workers:
                 done, future = pending.popleft()
@@ -301,6 +313,44 @@ def _checked(paths: list[str | None], opts: PackOptions) -> Iterator[tuple[Any, 
         while pending:
             done, future = pending.popleft()
             yield from merge(done, future.result())
+
+
+def _read_rows(
+    reader: csv.DictReader, csv_path: Path, image_dir: Path, template: str, label_names: Sequence[str], group: str | None
+) -> Iterator[_Row]:
+    wildcard = any(c in _literal(template) for c in _GLOB_CHARS)
+    folders = _Folders(image_dir)
+    for row in reader:
+        line = reader.line_num
+        values = {k: (v or "") for k, v in row.items() if k is not None}
+        rel, why = template.format(**values), ""
+        found: str | None = rel
+        if wildcard:
+            pattern = template.format(**{k: glob.escape(v) for k, v in values.items()}).rpartition("/")[2]
+            found, why = folders.match(rel.rpartition("/")[0], pattern)
+            rel = found or rel
+        try:
+            labels = tuple(float(values[name]) for name in label_names)
+        except ValueError:
+            bad = next(n for n in label_names if not _is_number(values[n]))
+            raise ValueError(
+                f"line {line} of {csv_path}: label column {bad!r} holds {values[bad]!r}, not a number. "
+                "Choose numeric label columns (labels=...), or fix the row"
+            ) from None
+        yield _Row(line, rel, None if found is None else str(image_dir / rel), why, labels, values[group] if group else "")
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _count_lines(path: Path) -> int:
+    with open(path, "rb") as f:
+        return sum(block.count(b"\n") for block in iter(lambda: f.read(8 << 20), b""))
 
 
 def _publish(path: Path) -> None:
@@ -332,89 +382,57 @@ def pack(
     csv_path, image_dir, out_dir = Path(csv_path), Path(image_dir), Path(out_dir)
     if not image_dir.is_dir():
         raise ValueError(f"image folder {image_dir} does not exist: pass the folder the CSV's image paths are relative to")
-    try:
-        text = csv_path.read_text(encoding="utf-8-sig")  # Excel writes a byte-order mark
-    except FileNotFoundError:
-        raise ValueError(f"CSV file {csv_path} does not exist") from None
-    reader = csv.DictReader(io.StringIO(text, newline=""))
-    columns = list(reader.fieldnames or [])
+    if not csv_path.is_file():
+        raise ValueError(f"CSV file {csv_path} does not exist")
     template = opts.template
-    needed = _template_fields(template) + ([opts.group] if opts.group else [])
-    unknown = [c for c in needed if c not in columns]
-    if unknown:
-        raise ValueError(f"column(s) {unknown} are not in {csv_path}: its columns are {columns}")
-    label_names = _resolve_labels(opts.labels, columns, set(needed))
-    wildcard = any(c in _literal(template) for c in _GLOB_CHARS)
-    folders = _Folders(image_dir)
+    # utf-8-sig: spreadsheets write a byte-order mark before the header.
+    with open(csv_path, newline="", encoding="utf-8-sig") as csv_file:
+        reader = csv.DictReader(csv_file)
+        columns = list(reader.fieldnames or [])
+        needed = _template_fields(template) + ([opts.group] if opts.group else [])
+        unknown = [c for c in needed if c not in columns]
+        if unknown:
+            raise ValueError(f"column(s) {unknown} are not in {csv_path}: its columns are {columns}")
+        label_names = _resolve_labels(opts.labels, columns, set(needed))
+        rows = _read_rows(reader, csv_path, image_dir, template, label_names, opts.group)
 
-    lines: list[int] = []
-    relative: list[str] = []
-    resolved: list[str | None] = []
-    unresolved: dict[int, str] = {}
-    labels: list[tuple[float, ...]] = []
-    groups: list[str] = []
-    for row in reader:
-        line = reader.line_num
-        values = {k: (v or "") for k, v in row.items() if k is not None}
-        rel = template.format(**values)
-        if wildcard:
-            pattern = template.format(**{k: glob.escape(v) for k, v in values.items()}).rpartition("/")[2]
-            match, why = folders.match(rel.rpartition("/")[0], pattern)
-            if match is None:
-                unresolved[len(resolved)] = why
-            rel = match or rel
-        row_labels = []
-        for name in label_names:
-            try:
-                row_labels.append(float(values[name]))
-            except ValueError:
-                raise ValueError(
-                    f"line {line} of {csv_path}: label column {name!r} holds {values[name]!r}, not a number. "
-                    "Choose numeric label columns (labels=...), or fix the row"
-                ) from None
-        lines.append(line)
-        relative.append(rel)
-        resolved.append(None if len(resolved) in unresolved else str(image_dir / rel))
-        labels.append(tuple(row_labels))
-        groups.append(values[opts.group] if opts.group else "")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        progress = _Progress(opts.progress, max(_count_lines(csv_path) - 1, 0), "pack")
+        shards: list[dict[str, Any]] = []
+        skipped: list[SkippedRow] = []
+        current: list[ShardRecord] = []
+        current_bytes = written = num_bytes = num_rows = 0
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    progress = _Progress(opts.progress, len(resolved), "pack")
-    shards: list[dict[str, Any]] = []
-    skipped: list[SkippedRow] = []
-    current: list[ShardRecord] = []
-    current_bytes = written = num_bytes = 0
+        def flush() -> None:
+            nonlocal current, current_bytes, written
+            blob = encode_shard(current, label_names)
+            digest = hashlib.sha256(blob).hexdigest()
+            name = f"shard-{len(shards):05d}-{digest[:12]}{SHARD_SUFFIX}"
+            path = out_dir / name
+            # Named by content: a file of that name and size is this shard unless it rotted on disk.
+            if not (path.is_file() and path.stat().st_size == len(blob) and file_sha256(path) == digest):
+                _publish(atomic_write_bytes(path, blob))
+                written += 1
+            shards.append({"name": name, "num_records": len(current), "num_bytes": len(blob), "sha256": digest})
+            current, current_bytes = [], 0
 
-    def flush() -> None:
-        nonlocal current, current_bytes, written
-        blob = encode_shard(current, label_names)
-        digest = hashlib.sha256(blob).hexdigest()
-        name = f"shard-{len(shards):05d}-{digest[:12]}{SHARD_SUFFIX}"
-        path = out_dir / name
-        # Named by content: a file of that name and size is this shard unless it rotted on disk.
-        if not (path.is_file() and path.stat().st_size == len(blob) and file_sha256(path) == digest):
-            _publish(atomic_write_bytes(path, blob))
-            written += 1
-        shards.append({"name": name, "num_records": len(current), "num_bytes": len(blob), "sha256": digest})
-        current, current_bytes = [], 0
-
-    for i, result in enumerate(_checked(resolved, opts)):
-        if result[0] != "ok":
-            reason = unresolved.get(i, "missing file") if result[0] == "unresolved" else result[1]
-            skipped.append(SkippedRow(line=lines[i], path=relative[i], reason=reason))
-        else:
-            _, data, height, width, channels = result
-            if current and current_bytes + len(data) > opts.shard_bytes:
-                flush()
-            current.append(
-                ShardRecord(data=data, labels=labels[i], group=groups[i], path=relative[i], height=height, width=width, channels=channels)
-            )
-            current_bytes += len(data)
-            num_bytes += len(data)
-        progress.update(i + 1, f"{num_bytes / 2**20:,.1f} MB  {len(skipped)} skipped")
-    if current:
-        flush()
-    progress.update(len(resolved), f"{num_bytes / 2**20:,.1f} MB  {len(skipped)} skipped", final=True)
+        for row, result in _checked(rows, opts):
+            num_rows += 1
+            if result[0] != "ok":
+                skipped.append(SkippedRow(line=row.line, path=row.path, reason=result[1]))
+            else:
+                _, data, height, width, channels = result
+                if current and current_bytes + len(data) > opts.shard_bytes:
+                    flush()
+                current.append(
+                    ShardRecord(data=data, labels=row.labels, group=row.group, path=row.path, height=height, width=width, channels=channels)
+                )
+                current_bytes += len(data)
+                num_bytes += len(data)
+            progress.update(num_rows, f"{num_bytes / 2**20:,.1f} MB  {len(skipped)} skipped")
+        if current:
+            flush()
+    progress.update(num_rows, f"{num_bytes / 2**20:,.1f} MB  {len(skipped)} skipped", final=True)
 
     manifest = {
         "format": FORMAT_NAME,
@@ -442,7 +460,7 @@ def pack(
             stale.unlink()
     return PackSummary(
         out_dir=out_dir,
-        num_rows=len(resolved),
+        num_rows=num_rows,
         num_records=manifest["num_records"],
         num_bytes=num_bytes,
         num_shards=len(shards),

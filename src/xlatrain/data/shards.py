@@ -674,10 +674,7 @@ class ShardDataset:
     def __init__(
         self, root: str | os.PathLike[str], *, indices: Sequence[int] | np.ndarray | None = None, **options: Any
     ) -> None:
-        valid_keys = {f.name for f in ShardOptions.__dataclass_fields__.values()}
-        unknown = sorted(set(options) - valid_keys)
-        if unknown:
-            raise ValueError(f"unknown ShardDataset option(s) {unknown}: valid ones are {sorted(valid_keys)}")
+        _check_option_names(options)
         opts = ShardOptions(**options)
         root = Path(root)
         index = _open_index(root, opts)
@@ -689,10 +686,10 @@ class ShardDataset:
     def _check_ids(indices: Sequence[int] | np.ndarray, limit: int, name: str) -> np.ndarray:
         ids = np.asarray(indices)
         if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
-            raise ValueError(f"{name} must be a 1-D sequence of integer record numbers")
+            raise ValueError(f"{name} must be a 1-D sequence of integers")
         ids = ids.astype(np.int64)
         if ids.size and (ids.min() < 0 or ids.max() >= limit):
-            raise ValueError(f"{name} holds record numbers outside 0..{limit - 1}")
+            raise ValueError(f"{name} holds values outside 0..{limit - 1}: pass positions of this dataset's records")
         return ids
 
     def _setup(self, root: Path, index: _Index, ids: np.ndarray, options: ShardOptions) -> None:
@@ -742,6 +739,7 @@ class ShardDataset:
         ``options`` override this dataset's :class:`ShardOptions` (e.g. ``augment=`` for training).
         """
         positions = self._check_ids(indices, len(self), "indices")
+        _check_option_names(options)
         other = ShardDataset.__new__(ShardDataset)
         other._setup(self.root, self._index, self._ids[positions], replace(self.options, **options))
         return other
@@ -892,7 +890,8 @@ class ShardDataset:
     @property
     def skipped(self) -> list[dict[str, Any]]:
         """What :attr:`num_skipped` counts: ``{"record", "what", "reason"}`` per record or shard."""
-        out = [{"record": None, "what": f"shard {name} ({n} records)", "reason": reason} for name, n, reason in self._index.dropped]
+        dropped = self._index.dropped if len(self._dropped_ids) else []
+        out = [{"record": None, "what": f"shard {name} ({n} records)", "reason": reason} for name, n, reason in dropped]
         out += [{"record": gid, "what": self._reader.describe(gid), "reason": r} for gid, r in self._skipped.items()]
         return out
 
@@ -916,6 +915,13 @@ class ShardDataset:
             f"ShardDataset({str(self.root)!r}, records={len(self)}, image_size={self.image_size}, "
             f"channels={self.options.channels}, labels={len(self.label_names)}, workers={self.options.num_workers})"
         )
+
+
+def _check_option_names(options: dict[str, Any]) -> None:
+    valid = sorted(f.name for f in ShardOptions.__dataclass_fields__.values())
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        raise ValueError(f"unknown ShardDataset option(s) {unknown}: valid ones are {valid}")
 
 
 def _check_layout(loader_batch: int, num_processes: int, process_index: int) -> None:
