@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from xlatrain import TrainConfig, Trainer
+from xlatrain import CheckpointConfig, TrainConfig, Trainer
 from xlatrain.models import SmallCNN
 
 BATCH = 64
@@ -71,6 +71,8 @@ def _measure() -> dict[str, Any]:
             nn.CrossEntropyLoss(),
             functools.partial(torch.optim.Adam, lr=1e-3),
             config=TrainConfig(epochs=1, batch_size=BATCH, run_dir=run_dir, log_every=10),
+            # Each fit below must train a fresh epoch, not resume the previous one's checkpoint.
+            checkpoint=CheckpointConfig(enabled=False),
             backend="cpu",
         )
         plain, ours = [], []

@@ -25,19 +25,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from benchmarks._xla_loop_worker import DEFAULTS  # torch only; torch_xla starts in the workers
+
 REPO = Path(__file__).resolve().parent.parent
 RESULT_PREFIX = "RESULT "  # what benchmarks._xla_loop_worker prints before its JSON
 
-OPTS: dict[str, Any] = {
-    # 1200 samples in batches of 32: 37 full batches and a ragged tail of 16 (which the Trainer drops).
-    "samples": 1200,
-    "batch": 32,
-    "epochs": 3,
-    "width": 8,
-    "image": 32,
-    "lr": 1e-3,
-    "seed": 0,
-}
+# 1200 samples in batches of 32: 37 full batches and a ragged tail of 16 (which the Trainer drops).
+OPTS: dict[str, Any] = {**DEFAULTS, "samples": 1200}
 ORDER = ("tutorial", "trainer", "trainer", "tutorial")
 TIMEOUT_S = 300
 
