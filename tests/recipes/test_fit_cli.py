@@ -118,3 +118,26 @@ def test_report_writes_pngs_and_a_summary(tmp_path):
             assert image.size[0] > 100 and image.getextrema() != ((255, 255),) * len(image.getbands())
     summary = (out / "summary.md").read_text()
     assert "best epoch" in summary and "val_dice" in summary and len(history) == 2
+
+
+@pytest.mark.multiprocess
+def test_pe_recipe_runs_unchanged_under_torchrun_with_the_same_global_batch(tmp_path):
+    """2 processes x 4 per device = the one-process global batch of 8.
+
+    The trajectories are not compared: the recipe's CNN has BatchNorm, whose statistics DDP
+    computes per process (4 rows) where one process uses 8; the Trainer's own equivalence tests
+    use a model without it. Both ranks share one generated dataset (local rank 0 makes it).
+    """
+    import shutil
+
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    run_dir, data_dir = tmp_path / "run", tmp_path / "data"
+    args = [torchrun, "--nproc-per-node", "2", "--standalone", "-m", "xlatrain.cli", "fit", str(CONFIGS / "pe_detection.yaml")]
+    for item in [*TINY_PE, "trainer.batch_size=4", "backend.accelerator=cpu", f"trainer.run_dir={run_dir}", f"data.root={data_dir}"]:
+        args += ["--set", item]
+    out = run_command(args, timeout=600).stdout
+    assert "DDP over 2 processes | global batch 8 = 4 per device x 2 device(s)" in out
+    assert out.count("generating a synthetic") == 1
+    history = json.loads((run_dir / "history.json").read_text())
+    assert history[-1]["train_loss"] < history[0]["train_loss"]
+    assert history[-1]["val_weighted_log_loss"] == history[-1]["val_weighted_log_loss"]

@@ -59,12 +59,31 @@ class DataConfig:
         return Path(self.shards) if self.shards else Path(self.root) / "shards"
 
 
-def prepare_data(data: DataConfig) -> None:
-    """Generate the synthetic folder and pack it, when they are not there yet."""
+def prepare_data(data: DataConfig, timeout_s: float = 1800.0) -> None:
+    """Generate the synthetic folder and pack it, when they are not there yet.
+
+    Under torchrun (or any launcher setting LOCAL_RANK) one process per host does it; the others
+    wait for the files it finishes last (both are written atomically, so seeing one means done).
+    """
+    import os
+    import time
+
+    root = Path(data.root)
+    done = data.shard_dir / "manifest.json" if data.source == "shards" else root / "train.csv"
+    if int(os.environ.get("LOCAL_RANK", "0")) != 0:
+        deadline = time.monotonic() + timeout_s
+        while not done.is_file():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"waited {timeout_s:.0f} s for local rank 0 to write {done}")
+            time.sleep(0.5)
+        return
+    _prepare(data, root)
+
+
+def _prepare(data: DataConfig, root: Path) -> None:
     from xlatrain.data import synthetic_rsna
     from xlatrain.data.pack import pack
 
-    root = Path(data.root)
     if not (root / "train.csv").is_file():
         if not data.synthetic:
             raise ValueError(f"{root}/train.csv does not exist: point data.root at an RSNA-layout folder")
