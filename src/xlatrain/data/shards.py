@@ -440,7 +440,7 @@ class _Index:
 class _BatchReader:
     """Decodes one batch per call; picklable (open files are per process)."""
 
-    def __init__(self, index: _Index, ids: np.ndarray, targets: torch.Tensor, options: ShardOptions, size: tuple[int, int]) -> None:
+    def __init__(self, index: _Index, ids: np.ndarray, targets: np.ndarray, options: ShardOptions, size: tuple[int, int]) -> None:
         self.index = index
         self.ids = ids
         self.targets = targets
@@ -520,7 +520,7 @@ class _BatchReader:
             path = "unknown"
         return f"record {int(ix.local[gid])} of shard {shard} (source {path})"
 
-    def __getitem__(self, task: _Task) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, tuple[tuple[int, str], ...]]:
+    def __getitem__(self, task: _Task) -> tuple[torch.Tensor, np.ndarray, np.ndarray | None, tuple[tuple[int, str], ...]]:
         opts = self.options
         training = task.valid is None
         num = len(task.positions)
@@ -531,7 +531,7 @@ class _BatchReader:
             images.share_memory_()
         # Rows are filled through numpy: torch's strided HWC -> CHW copy is several times slower.
         rows = images.numpy()
-        valid = None if training else torch.from_numpy(task.valid.copy())
+        valid = None if training else task.valid.copy()
         bad_rows, skipped = [], []
         for row, pos in enumerate(task.positions.tolist()):
             gid = int(self.ids[pos])
@@ -560,9 +560,10 @@ class _BatchReader:
                 for row in bad_rows:
                     images[row].zero_()
                     valid[row] = False  # type: ignore[index]
-        targets = self.targets[torch.from_numpy(task.positions)]
+        # Targets and the mask travel as small numpy arrays, pickled with the message: only the
+        # image batch goes through shared memory (each tensor sent costs a file-descriptor handoff).
+        targets = self.targets[task.positions]
         if training and bad_rows:
-            targets = targets.clone()
             for row in bad_rows:
                 targets[row] = targets[max((g for g in good if g < row), default=good[0])]
         return images, targets, valid, tuple(skipped)
@@ -713,9 +714,10 @@ class ShardDataset:
                     f"target='long' needs exactly one label column of non-negative integers; got {list(wanted)}. "
                     "Pick one class-id column with labels=[...], or use target='float' for multi-label"
                 )
-            self._targets = torch.from_numpy(labels[:, 0].astype(np.int64))
+            targets = labels[:, 0].astype(np.int64)
         else:
-            self._targets = torch.from_numpy(np.ascontiguousarray(labels))
+            targets = np.ascontiguousarray(labels)
+        self._targets = torch.from_numpy(targets)
         if options.image_size is not None:
             size = options.image_size
         else:
@@ -727,7 +729,7 @@ class ShardDataset:
                 )
             size = (int(heights[0]), int(widths[0]))
         self.image_size: tuple[int, int] = size  # type: ignore[assignment]
-        self._reader = _BatchReader(index, self._ids, self._targets, options, self.image_size)
+        self._reader = _BatchReader(index, self._ids, targets, options, self.image_size)
         self._plan = _Plan()
         self._loader: DataLoader[Any] | None = None
         self._generation = 0
@@ -824,7 +826,8 @@ class ShardDataset:
                 return
             if skipped:
                 self._note_skipped(skipped)
-            yield (images, targets) if training else ((images, targets), valid)
+            targets = torch.from_numpy(targets)
+            yield (images, targets) if training else ((images, targets), torch.from_numpy(valid))
 
     def _source(self, tasks: list[_Task]) -> Iterator[Any]:
         if self.options.num_workers == 0:
