@@ -197,10 +197,6 @@ def from_dict(cls: type[C], values: dict[str, Any], section: str | None = None) 
         raise ValueError(f"{where}{exc}") from None
 
 
-def to_dict(config: Any) -> dict[str, Any]:
-    return dataclasses.asdict(config)
-
-
 def load_yaml(text: str, source: str = "<config>") -> dict[str, Any]:
     """Parse YAML with the safe loader: plain data only, no tags that construct Python objects."""
     import yaml

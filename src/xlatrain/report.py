@@ -144,7 +144,7 @@ def write_report(run_dir: str | Path) -> Path:
     if best is not None:
         lines += [f"- best epoch: {best['epoch']} of {len(rows)} ({monitor} = {best[monitor]:.4f}, {mode})"]
     last = rows[-1]
-    lines += [f"- last epoch: " + ", ".join(f"{k} {v:.4f}" for k, v in last.items() if isinstance(v, float))]
+    lines += ["- last epoch: " + ", ".join(f"{k} {v:.4f}" for k, v in last.items() if isinstance(v, float))]
     if "xla_compilations" in last:
         growth = last["xla_compilations"] - rows[0]["xla_compilations"]
         lines += [f"- XLA compilations: {rows[0]['xla_compilations']} in epoch 1, {growth} after it"]
