@@ -353,12 +353,6 @@ def _count_lines(path: Path) -> int:
         return sum(block.count(b"\n") for block in iter(lambda: f.read(8 << 20), b""))
 
 
-def _publish(path: Path) -> None:
-    # The atomic writer's temp file is private (0600); a dataset is read by other users and by
-    # training jobs running under other accounts.
-    os.chmod(path, 0o644)
-
-
 def pack(
     csv_path: str | os.PathLike[str], image_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], **options: Any
 ) -> PackSummary:
@@ -411,7 +405,7 @@ def pack(
             path = out_dir / name
             # Named by content: a file of that name and size is this shard unless it rotted on disk.
             if not (path.is_file() and path.stat().st_size == len(blob) and file_sha256(path) == digest):
-                _publish(atomic_write_bytes(path, blob))
+                atomic_write_bytes(path, blob)
                 written += 1
             shards.append({"name": name, "num_records": len(current), "num_bytes": len(blob), "sha256": digest})
             current, current_bytes = [], 0
@@ -452,7 +446,7 @@ def pack(
     manifest_text = json.dumps(manifest, indent=1) + "\n"
     manifest_path = out_dir / MANIFEST_NAME
     if not (manifest_path.is_file() and manifest_path.read_text() == manifest_text):
-        _publish(atomic_write_text(manifest_path, manifest_text))
+        atomic_write_text(manifest_path, manifest_text)
     # Only after the new manifest is in place: shards of an earlier pack that it no longer names.
     keep = {s["name"] for s in shards}
     for stale in out_dir.glob(f"shard-*{SHARD_SUFFIX}"):
