@@ -6,7 +6,6 @@ inputs. Runs on whatever ``accelerator="auto"`` finds.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,10 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from xlatrain.config import BackendConfig, TrainConfig
-from xlatrain.models import SmallCNN
+from xlatrain.config import BackendConfig, ModelConfig, OptimizerConfig, RunConfig, ScheduleConfig, TrainConfig
 from xlatrain.report import plot_loss_curve
-from xlatrain.train.trainer import Trainer
 
 IMAGE_SIZE = 32
 
@@ -67,18 +64,19 @@ def run_demo(
     devices: int | None = None,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """Train the digits CNN; returns the last history row (``val_accuracy`` among its keys)."""
-    torch.manual_seed(seed)
-    train_set, val_set = digits_datasets(seed=seed)
-    trainer = Trainer(
-        SmallCNN(in_channels=1, num_outputs=10, width=32),
-        nn.CrossEntropyLoss(),
-        functools.partial(torch.optim.Adam, lr=2e-3),
-        scheduler_fn=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=5, gamma=0.5),
-        config=TrainConfig(epochs=epochs, batch_size=batch_size, seed=seed, log_every=20, run_dir=run_dir),
+    """Train the digits CNN (the ``digits`` recipe); returns the last history row."""
+    from xlatrain.recipes.run import run  # run builds Trainers for every recipe, this one included
+
+    config = RunConfig(
+        recipe="digits",
+        data={"seed": seed},
+        model=ModelConfig(name="small_cnn", width=32),
+        optimizer=OptimizerConfig(name="adam", lr=2e-3),
+        schedule=ScheduleConfig(name="step", step_size=5, gamma=0.5),
+        trainer=TrainConfig(epochs=epochs, batch_size=batch_size, seed=seed, log_every=20, run_dir=run_dir),
         backend=BackendConfig(accelerator=accelerator, devices=devices),
     )
-    history = trainer.fit(train_set, val_set)
+    trainer, history = run(config)
     if trainer.backend.is_main:
         plot = plot_loss_curve(run_dir, history)
         best = max(history, key=lambda r: r["val_accuracy"])
