@@ -42,26 +42,15 @@ def read_history(run_dir: str | Path) -> list[dict[str, Any]]:
 
 def plot_loss_curve(run_dir: str | Path, rows: Sequence[dict[str, Any]]) -> Path:
     """``loss.png``: train and validation loss per epoch."""
-    import matplotlib
+    return atomic_write_bytes(Path(run_dir) / "loss.png", _figure_png(lambda ax: _draw_loss(ax, rows)))
 
-    matplotlib.use("Agg")  # files only; no display on servers or CI
-    import matplotlib.pyplot as plt
 
+def _draw_loss(ax: Any, rows: Sequence[dict[str, Any]]) -> None:
     epochs = [r["epoch"] for r in rows]
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
     ax.plot(epochs, [r["train_loss"] for r in rows], marker="o", label="train")
     if any("val_loss" in r for r in rows):
         ax.plot(epochs, [r.get("val_loss", math.nan) for r in rows], marker="o", label="validation")
-    ax.set_xlabel("epoch")
-    ax.set_ylabel("loss")
-    ax.set_title("loss per epoch")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    buf = io.BytesIO()
-    fig.tight_layout()
-    fig.savefig(buf, format="png")
-    plt.close(fig)
-    return atomic_write_bytes(Path(run_dir) / "loss.png", buf.getvalue())
+    ax.set(xlabel="epoch", ylabel="loss", title="loss per epoch")
 
 
 def _figure_png(draw: Any) -> bytes:
@@ -108,12 +97,6 @@ def write_report(run_dir: str | Path) -> Path:
     def series(key: str) -> list[float]:
         return [math.nan if r.get(key) is None else r.get(key, math.nan) for r in rows]
 
-    def loss(ax: Any) -> None:
-        ax.plot(epochs, series("train_loss"), marker="o", label="train")
-        if any("val_loss" in r for r in rows):
-            ax.plot(epochs, series("val_loss"), marker="o", label="validation")
-        ax.set(xlabel="epoch", ylabel="loss", title="loss")
-
     metric_keys = [k for k in rows[-1] if k.startswith("val_") and k != "val_loss"]
 
     def metrics(ax: Any) -> None:
@@ -131,7 +114,7 @@ def write_report(run_dir: str | Path) -> Path:
             ax.plot(epochs, series("input_bound_share"), marker="o", label="input-bound share")
         ax.set(xlabel="epoch", title="time per epoch")
 
-    plots = {"loss.png": loss, "lr.png": lr, "timing.png": timing}
+    plots = {"loss.png": lambda ax: _draw_loss(ax, rows), "lr.png": lr, "timing.png": timing}
     if metric_keys:
         plots["metrics.png"] = metrics
     for name, draw in plots.items():
