@@ -1,45 +1,75 @@
-# Every target builds the virtual environment first (once; again only when the lock changes).
-PYTHON ?= python3
-VENV   := .venv
-BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed
+# Two environments, each built once from its lock file (again only when the lock changes):
+#   .venv      current torch, torchvision and torch_tpu (TorchTPU; dormant without a TPU)
+#   .venv-xla  torch 2.9.0, torchvision 0.24.0 and torch_xla 2.9.0 (torch_xla's last release)
+# They cannot be one: torch_xla runs only on torch 2.9.0, torch_tpu needs torch >= 2.11.
+PYTHON   ?= python3
+PIP_OPTS := --quiet --disable-pip-version-check
+VENV     := .venv
+VENV_XLA := .venv-xla
+BIN      := $(VENV)/bin
+XBIN     := $(VENV_XLA)/bin
 PYTEST_ARGS ?=
 
-.PHONY: venv test stress demo pe-demo bench lock clean
+# What `make lock` resolves: the newest torch that has a torchvision release made for it.
+CURRENT_TOPS := torch==2.14.1 torchvision==0.29.2 '.[tpu,dev,bench]'
+XLA_TOPS     := '.[xla,dev,bench]'
 
-venv: $(STAMP)
+.PHONY: venv venv-xla test test-current test-xla stress demo pe-demo bench lock clean
 
-$(STAMP): requirements.lock pyproject.toml
-	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check pip==25.3
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -r requirements.lock
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps -e .
-	@touch $@
+venv: $(VENV)/.installed
+venv-xla: $(VENV_XLA)/.installed
 
+# $(1) env dir, $(2) lock file
+define build_env
+	@test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
+	$(1)/bin/python -m pip install $(PIP_OPTS) pip==25.3
+	$(1)/bin/python -m pip install $(PIP_OPTS) -r $(2)
+	$(1)/bin/python -m pip install $(PIP_OPTS) --no-deps -e .
+	@touch $(1)/.installed
+endef
+
+$(VENV)/.installed: requirements.lock pyproject.toml
+	$(call build_env,$(VENV),requirements.lock)
+
+$(VENV_XLA)/.installed: requirements-xla.lock pyproject.toml
+	$(call build_env,$(VENV_XLA),requirements-xla.lock)
+
+# Each test runs where its runtime lives: tests marked `xla` in .venv-xla, the rest in .venv.
 # pytest exits 5 when it collected nothing; that is a failure here, not a pass.
-test: $(STAMP)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+test: test-current test-xla
+
+test-current: $(VENV)/.installed
+	$(BIN)/python -m pytest -m "not xla" $(PYTEST_ARGS)
+
+test-xla: $(VENV_XLA)/.installed
+	$(XBIN)/python -m pytest -m xla $(PYTEST_ARGS)
 
 # The kill -9 fault-injection test with 200 trials instead of make test's 20.
-stress: $(STAMP)
+stress: $(VENV)/.installed
 	XLATRAIN_KILL_TRIALS=200 $(BIN)/python -m pytest -s -k kill_9 tests/train/test_resume.py
 
-demo: $(STAMP)
+demo: $(VENV)/.installed
 	$(BIN)/xlatrain demo --run-dir runs/demo
 
 # The PE-detection recipe on generated RSNA-shaped data, compared with the prior baseline.
-pe-demo: $(STAMP)
+pe-demo: $(VENV)/.installed
 	$(BIN)/python -m xlatrain.recipes.pe_detection.demo configs/pe_detection.yaml
 
-bench: $(STAMP)
-	$(BIN)/python -m benchmarks.run --out benchmarks/results.json
+# Entries on the current torch run in .venv; the XLA ones start their workers in .venv-xla.
+bench: $(VENV)/.installed $(VENV_XLA)/.installed
+	XLATRAIN_XLA_PYTHON=$(CURDIR)/$(XBIN)/python $(BIN)/python -m benchmarks.run --out benchmarks/results.json
 
-# Re-resolve the pinned environment (needs the registry); commit the result.
+# Re-resolve both pinned environments (needs the registry); commit the results.
 lock:
 	rm -rf /tmp/xlatrain-lock && $(PYTHON) -m venv /tmp/xlatrain-lock
-	/tmp/xlatrain-lock/bin/pip install --quiet pip==25.3
-	/tmp/xlatrain-lock/bin/pip install --quiet -e '.[xla,dev,bench]'
-	/tmp/xlatrain-lock/bin/pip freeze --exclude-editable | grep -v '^xlatrain' > requirements.lock
+	/tmp/xlatrain-lock/bin/pip install $(PIP_OPTS) pip==25.3
+	/tmp/xlatrain-lock/bin/pip install $(PIP_OPTS) $(CURRENT_TOPS)
+	$(PYTHON) tools/freeze_lock.py /tmp/xlatrain-lock/bin/python requirements.lock
+	rm -rf /tmp/xlatrain-lock && $(PYTHON) -m venv /tmp/xlatrain-lock
+	/tmp/xlatrain-lock/bin/pip install $(PIP_OPTS) pip==25.3
+	/tmp/xlatrain-lock/bin/pip install $(PIP_OPTS) $(XLA_TOPS)
+	$(PYTHON) tools/freeze_lock.py /tmp/xlatrain-lock/bin/python requirements-xla.lock
+	rm -rf /tmp/xlatrain-lock
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache
+	rm -rf $(VENV) $(VENV_XLA) build src/*.egg-info .pytest_cache

@@ -1,26 +1,90 @@
-"""Shared test helpers: run a script from tests/scripts in a fresh process and read its history."""
+"""Shared test helpers: run a script from tests/scripts in a fresh process and read its history.
+
+Two environments run the suite (see the Makefile): tests marked ``xla`` need torch_xla and run in
+``.venv-xla``; the rest run in ``.venv`` on current torch. Each run says at the top and bottom
+which environment it is and what it ran, and an ``xla`` test is never skipped quietly: where
+torch_xla is absent it is deselected and counted in the summary as belonging to the other run.
+"""
 
 from __future__ import annotations
 
+import importlib.metadata as md
+import importlib.util
 import json
 import os
 import subprocess
-import tempfile
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
+HAS_XLA = importlib.util.find_spec("torch_xla") is not None
+
+# What xlatrain's command line does on a host without a TPU, done before this process imports
+# torch: libtpu must not search the cloud metadata server (a first backward would stall for
+# minutes). Scripts started by the tests also skip loading the dormant torch_tpu (4 s each);
+# this process keeps torch's autoload on, so in-process tests see torch_tpu loaded and dormant.
+from xlatrain.backend.hardware import settle_libtpu_without_tpu, skip_idle_torch_tpu_autoload  # noqa: E402
+
+settle_libtpu_without_tpu()
+_SCRIPT_ENV: dict[str, str] = {}
+skip_idle_torch_tpu_autoload(_SCRIPT_ENV)
+_deselected_xla: list[str] = []
+
+
+def _environment() -> str:
+    def version(dist: str) -> str | None:
+        try:
+            return md.version(dist)
+        except md.PackageNotFoundError:
+            return None
+
+    parts = [f"{dist} {v}" for dist in ("torch", "torchvision", "torch_xla", "torch_tpu") if (v := version(dist))]
+    return f"{Path(sys.prefix).name} ({', '.join(parts)})"
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"environment: {_environment()}"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if HAS_XLA:
+        return
+    keep = [item for item in items if "xla" not in item.keywords]
+    _deselected_xla.extend(item.nodeid for item in items if "xla" in item.keywords)
+    if _deselected_xla:
+        config.hook.pytest_deselected(items=[item for item in items if "xla" in item.keywords])
+        items[:] = keep
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    stats = terminalreporter.stats
+    ran = sum(len(stats.get(k, [])) for k in ("passed", "failed", "error", "xfailed", "xpassed"))
+    marker = terminalreporter.config.getoption("markexpr") or "all tests"
+    line = f"environment {_environment()} ran {ran} test(s) selected by: {marker}"
+    if _deselected_xla:
+        line += (f"; {len(_deselected_xla)} test(s) marked xla need torch_xla and run in .venv-xla "
+                 "(make test-xla), not here")
+    terminalreporter.write_line(line, bold=True)
+
 SCRIPTS = Path(__file__).parent / "scripts"
 
 
-def run_command(args: list[str], env: dict[str, str] | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    """Run ``args`` in a clean environment (no inherited PJRT/XLA settings); fail with its output."""
+def script_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a script started by a test: no inherited PJRT/XLA settings, ``env`` on top."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("PJRT_", "CPU_NUM_DEVICES", "XLA_"))}
+    full_env.update(_SCRIPT_ENV)
     full_env.update(env or {})
     full_env["PYTHONPATH"] = str(SCRIPTS)
     # XLA runs keep a persistent compilation cache; tests keep theirs out of the user's home.
     full_env.setdefault("XLATRAIN_CACHE_DIR", str(Path(tempfile.gettempdir()) / "xlatrain-test-cache"))
+    return full_env
+
+
+def run_command(args: list[str], env: dict[str, str] | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run ``args`` in a clean environment (see :func:`script_env`); fail with its output."""
+    full_env = script_env(env)
     proc = subprocess.run(args, env=full_env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(args)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
