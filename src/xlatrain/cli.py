@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--fresh", action="store_true", help="start over in a new run directory")
     fit.set_defaults(func=_fit)
 
-    from xlatrain.data.pack import add_pack_parser
+    from xlatrain.data.pack_cli import add_pack_parser
     from xlatrain.diagnostics.cli import add_doctor_parser
 
     add_doctor_parser(sub)
@@ -81,6 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from xlatrain.backend.hardware import settle_libtpu_without_tpu, skip_idle_torch_tpu_autoload
+    from xlatrain.logs import install_console_handler
+
+    # Before torch is imported: both are read when torch / libtpu start.
+    skip_idle_torch_tpu_autoload()
+    settle_libtpu_without_tpu()
+    install_console_handler()
     try:
         return int(args.func(args))
     except ValueError as exc:  # bad user input: the message already says what to change

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import simplejpeg
 
-from xlatrain.data.pack import add_pack_parser, pack, verify
+from xlatrain.data.pack import pack, verify
+from xlatrain.data.pack_cli import add_pack_parser
 from xlatrain.data.shards import MANIFEST_NAME, ShardError, iter_records, read_manifest
 from xlatrain.data.synthetic_rsna import LABEL_COLUMNS, PATH_COLUMNS, generate
 

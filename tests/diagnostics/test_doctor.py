@@ -10,7 +10,8 @@ import pytest
 
 from xlatrain.diagnostics import doctor
 from xlatrain.diagnostics.cli import add_doctor_parser
-from xlatrain.diagnostics.doctor import Probe, collect, default_cache_dir, find_tpu_chips, render_json, render_text
+from xlatrain.backend.hardware import default_cache_dir, find_tpu_chips
+from xlatrain.diagnostics.doctor import Probe, collect, render_json, render_text
 
 MATCHED = {"torch": "2.9.0", "torchvision": "0.24.0", "torch_xla": "2.9.0", "torch_tpu": None, "libtpu": None,
            "libtpu-nightly": None}
@@ -231,7 +232,7 @@ def test_cli_json_without_probe_parses_and_exits_0(monkeypatch, tmp_path):
     code = args.func(args, out=out)
     data = json.loads(out.getvalue())
     assert code == data["exit_code"]
-    if doctor.find_tpu_chips() == () and data["usable"]:
+    if find_tpu_chips() == () and data["usable"]:
         assert code == 0
 
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from xlatrain.backend.base import Backend
 from xlatrain.backend.errors import BackendUnavailableError
 from xlatrain.config import ACCELERATORS, XLA_MODES, BackendConfig
+
+if TYPE_CHECKING:
+    from xlatrain.backend.base import Backend
 
 __all__ = ["Backend", "BackendUnavailableError", "select_backend", "spawn"]
 
@@ -36,6 +37,11 @@ def select_backend(
         )
     if xla_mode not in XLA_MODES:
         raise ValueError(f"unknown xla_mode {xla_mode!r}: choose one of {', '.join(map(repr, XLA_MODES))}")
+    from xlatrain.backend.hardware import settle_libtpu_without_tpu
+
+    settle_libtpu_without_tpu()  # before anything asks torch for its devices
+    import torch
+
     from xlatrain.backend.native import NativeBackend
     from xlatrain.backend.xla import tpu_present
 
@@ -64,6 +70,15 @@ def from_config(config: BackendConfig) -> Backend:
     return select_backend(
         config.accelerator, devices=config.devices, xla_mode=config.xla_mode, compile_cache=config.compile_cache
     )
+
+
+def __getattr__(name: str) -> Any:
+    # The protocol module imports torch; load it only when someone asks for it.
+    if name == "Backend":
+        from xlatrain.backend.base import Backend
+
+        return Backend
+    raise AttributeError(f"module 'xlatrain.backend' has no attribute {name!r}")
 
 
 def spawn(fn, args=(), devices=None):  # type: ignore[no-untyped-def]

@@ -25,11 +25,11 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from xlatrain.backend.base import host_rng_state, set_host_rng_state
 from xlatrain.backend.errors import BackendUnavailableError
+from xlatrain.backend.hardware import default_cache_dir, find_tpu_chips
+
 
 def tpu_chip_count() -> int:
     """TPU chips attached to this host, found on the PCI bus without starting any runtime."""
-    from xlatrain.diagnostics.doctor import find_tpu_chips  # the one table of TPU PCI ids
-
     return len(find_tpu_chips())
 
 
@@ -288,8 +288,6 @@ def _start_compile_cache(mode: str) -> str | None:
     """
     import torch_xla
     import torch_xla.runtime as xr
-
-    from xlatrain.diagnostics.doctor import default_cache_dir
 
     if torch_xla._XLAC._xla_computation_cache_is_initialized():
         return None

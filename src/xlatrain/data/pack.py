@@ -13,7 +13,6 @@ decodes every record.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import fnmatch
 import glob
@@ -48,6 +47,9 @@ from xlatrain.data.shards import (
     read_manifest,
     read_shard_index,
 )
+from xlatrain.logs import get_logger
+
+log = get_logger(__name__)
 
 _GLOB_CHARS = "*?["
 _CHUNK = 64  # rows per task sent to a worker process: amortises the round trip
@@ -190,10 +192,11 @@ class _Progress:
         self.last = now
         rate = done / max(now - self.started, 1e-9)
         line = f"{self.what}: {done:,}/{self.total:,}  {rate:,.0f}/s" + (f"  {extra}" if extra else "")
-        if self.tty:
-            print("\r" + line.ljust(79), end="\n" if final else "", file=sys.stderr, flush=True)
+        if self.tty:  # a status line redrawn in place: terminal output, not a log message
+            sys.stderr.write("\r" + line.ljust(79) + ("\n" if final else ""))
+            sys.stderr.flush()
         else:
-            print(line, file=sys.stderr, flush=True)
+            log.info(line)
 
 
 def _resolve_labels(patterns: Sequence[str], columns: Sequence[str], reserved: set[str]) -> tuple[str, ...]:
@@ -556,78 +559,3 @@ def verify(root: str | os.PathLike[str], *, workers: int = 1, progress: bool = F
     if not problems and num_records != manifest["num_records"]:
         problems.append(f"the shards hold {num_records} records, the manifest says {manifest['num_records']}")
     return VerifyReport(root=root, num_shards=len(entries), num_records=num_records, problems=tuple(problems))
-
-
-# --------------------------------------------------------------------------------------------
-# Command line
-
-
-def add_pack_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``xlatrain pack`` on an ``argparse`` subparsers object; its handler returns an exit code."""
-    parser = subparsers.add_parser(
-        "pack",
-        help="pack an image folder + CSV into shards (or --verify a shard directory)",
-        description=__doc__.split("\n\n")[0],
-        epilog=(
-            "example: xlatrain pack --csv train.csv --images train --out shards "
-            "--path-columns StudyInstanceUID SeriesInstanceUID SOPInstanceUID --suffix .jpg "
-            "--labels pe_present_on_image '*_pe' --group StudyInstanceUID --workers 4"
-        ),
-    )
-    parser.add_argument("--csv", help="CSV file with one row per image")
-    parser.add_argument("--images", help="folder the CSV's image paths are relative to")
-    parser.add_argument("--out", help="shard directory to write (an earlier pack there is updated)")
-    where = parser.add_mutually_exclusive_group()
-    where.add_argument("--path-columns", nargs="+", metavar="COLUMN", help="columns joined with / into each image path")
-    where.add_argument("--path-column", metavar="COLUMN", help="one column holding each image's relative path")
-    where.add_argument(
-        "--path-template",
-        metavar="TEMPLATE",
-        help="e.g. '{StudyInstanceUID}/{SeriesInstanceUID}/*{SOPInstanceUID}.jpg' (* or ? allowed in the file name)",
-    )
-    parser.add_argument("--suffix", default="", help="appended to --path-columns / --path-column, e.g. .jpg")
-    parser.add_argument("--labels", nargs="+", default=[], metavar="NAME", help="label columns: names or patterns ('*_pe')")
-    parser.add_argument("--group", metavar="COLUMN", help="group key column for leakage-free splits, e.g. StudyInstanceUID")
-    parser.add_argument("--max-side", type=int, help="re-encode images larger than this (longer side, pixels)")
-    parser.add_argument("--quality", type=int, default=95, help="JPEG quality when re-encoding (default 95)")
-    parser.add_argument("--shard-mb", type=float, default=128.0, help="target shard size in MB (default 128)")
-    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes (default: all cores)")
-    parser.add_argument("--verify", metavar="DIR", help="check every checksum and decode every record of DIR, then exit")
-    parser.add_argument("--quiet", action="store_true", help="no progress line")
-    parser.set_defaults(func=run_pack_command)
-    return parser
-
-
-def run_pack_command(args: argparse.Namespace) -> int:
-    """The ``xlatrain pack`` handler: 0 on success, 1 when nothing was packed or verify found problems."""
-    if args.verify:
-        report = verify(args.verify, workers=args.workers, progress=not args.quiet)
-        print(report.describe(), file=sys.stderr)
-        return 0 if report.ok else 1
-    missing = [flag for flag, value in (("--csv", args.csv), ("--images", args.images), ("--out", args.out)) if not value]
-    if missing:
-        raise ValueError(f"xlatrain pack needs {' '.join(missing)} (or --verify DIR to check a shard directory)")
-    if args.path_template:
-        where: dict[str, Any] = {"path_template": args.path_template}
-    elif args.path_column:
-        where = {"path_columns": [args.path_column], "suffix": args.suffix}
-    elif args.path_columns:
-        where = {"path_columns": args.path_columns, "suffix": args.suffix}
-    else:
-        raise ValueError("say where each image is: --path-columns A B C (--suffix .jpg), --path-column COL or --path-template")
-    labels = [part for item in args.labels for part in item.split(",") if part]
-    summary = pack(
-        args.csv,
-        args.images,
-        args.out,
-        **where,
-        labels=labels,
-        group=args.group,
-        max_side=args.max_side,
-        quality=args.quality,
-        shard_bytes=int(args.shard_mb * 2**20),
-        workers=args.workers,
-        progress=not args.quiet,
-    )
-    print(summary.describe(), file=sys.stderr)
-    return 0 if summary.num_records > 0 else 1

@@ -5,7 +5,7 @@ Submodules are imported on use; none of them imports torch_xla at module level, 
 ``import xlatrain.diagnostics`` works without it.
 
 - :mod:`xlatrain.diagnostics.doctor`: the environment report (``collect``, ``render_text``,
-  ``render_json``, ``default_cache_dir``).
+  ``render_json``); the TPU PCI table and cache paths live in ``xlatrain.backend.hardware``.
 - :mod:`xlatrain.diagnostics.script_check`: static check of a training script (``check_file``).
 - :mod:`xlatrain.diagnostics.xla_metrics`: ``snapshot()`` / ``diff()`` of torch_xla's counters.
 - :mod:`xlatrain.diagnostics.cli`: ``add_doctor_parser`` for the ``xlatrain`` command line.

@@ -33,24 +33,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from xlatrain.backend.hardware import PCI_ROOT, TpuChip, default_cache_dir, find_tpu_chips
+
 SEVERITIES = ("error", "warning", "info")
-PCI_ROOT = "/sys/bus/pci/devices"
-GOOGLE_PCI_VENDOR = "0x1ae0"
-
-# PCI device id -> TPU generation. The ids are the ones torch_xla 2.9 counts as TPU chips
-# (torch_xla/_internal/tpu.py); the names follow Google's tpu-info. Google's vendor id alone is
-# not enough: a GCE VM's gVNIC network card is 0x1ae0 too.
-_TPU_DEVICE_IDS = {
-    "0x0027": "v2/v3",  # told apart by the subsystem id below
-    "0x005e": "v4",
-    "0x0062": "v5p",
-    "0x0063": "v5e",
-    "0x006f": "v6e",
-    "0x0076": "7x",
-    "0x0056": "unnamed (0x0056)",
-}
-_V2_V3_SUBSYSTEMS = {"0x004e": "v2", "0x004f": "v3"}
-
 # PJRT clients built into torch_xla 2.9's runtime library ("Initializing PjRt CPU client",
 # "TFRT TPU", "XPU", "NEURON"); any other name needs a registered PJRT plugin.
 _BUILTIN_PJRT = ("CPU", "TPU", "XPU", "NEURON")
@@ -268,59 +253,6 @@ def env_trap(name: str) -> EnvTrap | None:
     if name.startswith("XRT_"):
         return next(t for t in ENV_TRAPS if t.name == "XRT_*")
     return None
-
-
-def default_cache_dir(environ: Mapping[str, str] | None = None) -> Path:
-    """Where xlatrain keeps torch_xla's persistent compilation cache.
-
-    ``$XLATRAIN_CACHE_DIR`` when set, else ``~/.cache/xlatrain/xla``.
-
-    Example:
-        >>> str(default_cache_dir({"HOME": "/home/ana"}))
-        '/home/ana/.cache/xlatrain/xla'
-    """
-    env = os.environ if environ is None else environ
-    chosen = env.get("XLATRAIN_CACHE_DIR", "").strip()
-    if chosen:
-        return Path(os.path.expanduser(chosen))
-    home = env.get("HOME") or str(Path.home())
-    return Path(home) / ".cache" / "xlatrain" / "xla"
-
-
-@dataclass(frozen=True)
-class TpuChip:
-    address: str
-    device_id: str
-    generation: str
-
-
-def find_tpu_chips(pci_root: str | os.PathLike[str] = PCI_ROOT) -> tuple[TpuChip, ...]:
-    """TPU chips on the PCI bus, found without starting any runtime (like torch_xla does)."""
-    root = Path(pci_root)
-    try:
-        entries = sorted(os.listdir(root))
-    except OSError:
-        return ()
-    chips = []
-    for entry in entries:
-        vendor = _read(root / entry / "vendor")
-        if vendor != GOOGLE_PCI_VENDOR:
-            continue
-        device_id = _read(root / entry / "device") or ""
-        generation = _TPU_DEVICE_IDS.get(device_id)
-        if generation is None:
-            continue  # a Google device that is no TPU (gVNIC network card, ...)
-        if device_id == "0x0027":
-            generation = _V2_V3_SUBSYSTEMS.get(_read(root / entry / "subsystem_device") or "", "v2/v3")
-        chips.append(TpuChip(address=entry, device_id=device_id, generation=generation))
-    return tuple(chips)
-
-
-def _read(path: Path) -> str | None:
-    try:
-        return path.read_text().strip()
-    except OSError:
-        return None
 
 
 # --------------------------------------------------------------------------- probe (child process)

@@ -1,0 +1,131 @@
+"""Facts about this host's hardware and runtime caches, read without importing any runtime.
+
+The one table of TPU PCI ids, and where compiled programs are cached. Imports nothing beyond the
+standard library, so ``xlatrain doctor`` can use it on a host whose torch is broken.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+PCI_ROOT = "/sys/bus/pci/devices"
+GOOGLE_PCI_VENDOR = "0x1ae0"
+
+# PCI device id -> TPU generation. The ids are the ones torch_xla 2.9 counts as TPU chips
+# (torch_xla/_internal/tpu.py); the names follow Google's tpu-info. Google's vendor id alone is
+# not enough: a GCE VM's gVNIC network card is 0x1ae0 too.
+TPU_DEVICE_IDS = {
+    "0x0027": "v2/v3",  # told apart by the subsystem id below
+    "0x005e": "v4",
+    "0x0062": "v5p",
+    "0x0063": "v5e",
+    "0x006f": "v6e",
+    "0x0076": "7x",
+    "0x0056": "unnamed (0x0056)",
+}
+_V2_V3_SUBSYSTEMS = {"0x004e": "v2", "0x004f": "v3"}
+
+
+@dataclass(frozen=True)
+class TpuChip:
+    address: str
+    device_id: str
+    generation: str
+
+
+def find_tpu_chips(pci_root: str | os.PathLike[str] = PCI_ROOT) -> tuple[TpuChip, ...]:
+    """TPU chips on the PCI bus, found without starting any runtime (as torch_xla does)."""
+    root = Path(pci_root)
+    try:
+        entries = sorted(os.listdir(root))
+    except OSError:
+        return ()
+    chips = []
+    for entry in entries:
+        if _read(root / entry / "vendor") != GOOGLE_PCI_VENDOR:
+            continue
+        device_id = _read(root / entry / "device") or ""
+        generation = TPU_DEVICE_IDS.get(device_id)
+        if generation is None:
+            continue  # a Google device that is no TPU (gVNIC network card, ...)
+        if device_id == "0x0027":
+            generation = _V2_V3_SUBSYSTEMS.get(_read(root / entry / "subsystem_device") or "", "v2/v3")
+        chips.append(TpuChip(address=entry, device_id=device_id, generation=generation))
+    return tuple(chips)
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+def default_cache_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """Where xlatrain keeps torch_xla's persistent compilation cache.
+
+    ``$XLATRAIN_CACHE_DIR`` when set, else ``~/.cache/xlatrain/xla``.
+
+    Example:
+        >>> str(default_cache_dir({"HOME": "/home/ana"}))
+        '/home/ana/.cache/xlatrain/xla'
+    """
+    env = os.environ if environ is None else environ
+    chosen = env.get("XLATRAIN_CACHE_DIR", "").strip()
+    if chosen:
+        return Path(os.path.expanduser(chosen))
+    home = env.get("HOME") or str(Path.home())
+    return Path(home) / ".cache" / "xlatrain" / "xla"
+
+
+def tpu_runtime_packages_installed() -> bool:
+    """torch_tpu or libtpu is installed (found without importing either)."""
+    import importlib.util
+
+    return any(importlib.util.find_spec(name) is not None for name in ("torch_tpu", "libtpu"))
+
+
+def settle_libtpu_without_tpu(
+    environ: dict[str, str] | None = None, pci_root: str | os.PathLike[str] = PCI_ROOT
+) -> bool:
+    """On a host without TPU chips, stop libtpu from searching for one on the cloud metadata server.
+
+    With torch_tpu installed, torch's autograd engine asks every registered device for its count
+    at the first ``backward()``; torch_tpu answers by starting libtpu, which first asks the GCE
+    metadata server for its TPU settings and, off Google Cloud, retries for minutes while the
+    process sits idle (seen here: a CPU backward stalled for over 10 minutes). With no chip on the
+    PCI bus there is nothing for it to find, so ``TPU_SKIP_MDS_QUERY=1`` lets it fail at once and
+    training goes on. A value the user set is kept. Returns whether it set the variable.
+    """
+    env = os.environ if environ is None else environ
+    if "TPU_SKIP_MDS_QUERY" in env or not tpu_runtime_packages_installed() or find_tpu_chips(pci_root):
+        return False
+    env["TPU_SKIP_MDS_QUERY"] = "1"
+    return True
+
+
+def skip_idle_torch_tpu_autoload(
+    environ: dict[str, str] | None = None, pci_root: str | os.PathLike[str] = PCI_ROOT
+) -> bool:
+    """Before torch is imported: turn off torch's device-backend autoload when it would only load
+    a dormant torch_tpu.
+
+    torch_tpu registers itself to load at every ``import torch`` (about 4 s here: libtpu and
+    torch._dynamo), also on hosts without a TPU, where it registers nothing usable. When no TPU
+    chip is on the PCI bus and torch_tpu is the only autoloaded backend, xlatrain's command line
+    sets ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``; a value the user set is kept, and another backend
+    that relies on autoload keeps it on. Returns whether it set the variable.
+    """
+    import importlib.metadata as md
+
+    env = os.environ if environ is None else environ
+    if "TORCH_DEVICE_BACKEND_AUTOLOAD" in env or find_tpu_chips(pci_root):
+        return False
+    loaders = {ep.value for ep in md.entry_points(group="torch.backends")}
+    if not loaders or any(not value.startswith("torch_tpu") for value in loaders):
+        return False
+    env["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
+    return True
