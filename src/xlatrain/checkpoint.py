@@ -17,6 +17,10 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from xlatrain.logs import get_logger
+
+log = get_logger(__name__)
+
 _ALIASES_KEY = "xlatrain.aliases"
 
 
@@ -236,13 +240,11 @@ def read_checkpoint(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tenso
 
 def find_resumable(root: str | os.PathLike[str]) -> tuple[Path, dict[str, torch.Tensor], dict] | None:
     """The newest checkpoint under ``root`` that verifies; damaged ones are skipped with a warning."""
-    import warnings
-
     for path in reversed(list_checkpoints(root)):
         try:
             tensors, meta = read_checkpoint(path)
         except CheckpointError as exc:
-            warnings.warn(f"skipping {exc}; trying the previous checkpoint", stacklevel=2)
+            log.warning(f"skipping {exc}; trying the previous checkpoint")
             continue
         return path, tensors, meta
     return None

@@ -2,6 +2,7 @@
 
 import functools
 import json
+import logging
 import os
 import random
 import signal
@@ -16,16 +17,14 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import xlatrain
-from conftest import SCRIPTS, run_script
+from conftest import SCRIPTS, run_script, script_env
 from xlatrain.checkpoint import CheckpointError, find_resumable, list_checkpoints, read_checkpoint, read_latest_name
 
 RESUMABLE = str(SCRIPTS / "resumable.py")
 
 
 def _env():
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PJRT_", "XLA_"))}
-    env["PYTHONPATH"] = str(SCRIPTS)
-    return env
+    return script_env()
 
 
 def _start(run_dir, epochs=2, every=3, sleep_s=0.01, extra=(), launcher=(sys.executable,), env=None):
@@ -129,16 +128,17 @@ def test_kill_9_during_saves_never_loses_a_loadable_checkpoint(tmp_path):
     assert all(results[i][1] for i in range(1, trials, 2)), results
 
 
-def test_damaged_or_incomplete_checkpoints_are_skipped_with_a_named_warning(tmp_path):
+def test_damaged_or_incomplete_checkpoints_are_skipped_with_a_named_warning(tmp_path, caplog):
     run_script([sys.executable, RESUMABLE, str(tmp_path), "1", "3", "0"])
     root = tmp_path / "checkpoints"
     newest, previous = list_checkpoints(root)[-1], list_checkpoints(root)[-2]
     blob = bytearray((newest / "state.safetensors").read_bytes())
     blob[len(blob) // 2] ^= 0xFF
     (newest / "state.safetensors").write_bytes(bytes(blob))
-    with pytest.warns(UserWarning, match=f"{newest.name}.*does not match its checksum"):
+    with caplog.at_level(logging.WARNING, logger="xlatrain"):
         path, _, _ = find_resumable(root)
     assert path == previous
+    assert f"{newest.name}: state.safetensors does not match its checksum" in caplog.text
     (previous / "meta.json").unlink()
     with pytest.raises(CheckpointError, match="meta.json is missing"):
         read_checkpoint(previous)

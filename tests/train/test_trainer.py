@@ -1,6 +1,7 @@
 import csv
 import functools
 import json
+import logging
 
 import pytest
 import torch
@@ -36,7 +37,8 @@ def _trainer(tmp_path, model=None, loss=None, opt=None, **cfg):
     )
 
 
-def test_fit_writes_history_and_best_weights_that_reproduce_the_best_epoch(tmp_path, capsys):
+def test_fit_writes_history_and_best_weights_that_reproduce_the_best_epoch(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="xlatrain")
     trainer = _trainer(tmp_path, epochs=4, batch_size=16)
     history = trainer.fit(_classification(200), _classification(70, seed=1))
     run = tmp_path / "run"
@@ -50,7 +52,7 @@ def test_fit_writes_history_and_best_weights_that_reproduce_the_best_epoch(tmp_p
     load_weights(fresh, run / "best.safetensors")
     check = _trainer(tmp_path, model=fresh, run_dir=str(tmp_path / "check"), batch_size=16)
     assert check.evaluate(_classification(70, seed=1))["accuracy"] == pytest.approx(best["val_accuracy"])
-    out = capsys.readouterr().out
+    out = caplog.text
     assert "global batch 16 = 16 per device x 1 device(s)" in out
     assert out.count("epoch 4/4") == 1
 
@@ -181,7 +183,8 @@ def test_functional_losses_with_a_reduction_argument_evaluate(tmp_path):
     assert trainer.evaluate(_classification(10))["num_samples"] == 10
 
 
-def test_step_schedules_and_scale_lr_on_one_device_leave_the_rate(tmp_path, capsys):
+def test_step_schedules_and_scale_lr_on_one_device_leave_the_rate(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="xlatrain")
     model = _mlp()
     trainer = Trainer(
         model,
@@ -193,7 +196,7 @@ def test_step_schedules_and_scale_lr_on_one_device_leave_the_rate(tmp_path, caps
     )
     trainer.fit(_classification(32))  # 4 optimizer steps
     assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**4)
-    assert "scaled" not in capsys.readouterr().out
+    assert "scaled" not in caplog.text
 
 
 def test_tuple_outputs_and_a_host_metrics_fn_see_every_row_in_order(tmp_path):

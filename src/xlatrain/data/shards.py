@@ -23,7 +23,6 @@ import json
 import math
 import os
 import struct
-import warnings
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -37,6 +36,7 @@ from torch.utils.data import DataLoader
 from xlatrain.data.decode import as_size, decode, rotate, to_tensor
 from xlatrain.data.sampling import EvalSampler
 from xlatrain.data.source import train_steps_per_epoch
+from xlatrain.logs import get_logger
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_NAME = "xlatrain-shards"
@@ -628,7 +628,7 @@ def _open_index(root: Path, options: ShardOptions) -> _Index:
             if options.on_error == "raise":
                 raise ShardError(f"{exc}. {_repair_hint(root)}") from None
             ix.dropped.append((entry["name"], n, str(exc)))
-            warnings.warn(f"on_error='skip': leaving out the {n} records of {exc}", stacklevel=3)
+            log.warning(f"on_error='skip': leaving out the {n} records of {exc}")
             lo += n
             continue
         rows = slice(lo, lo + n)
@@ -853,7 +853,7 @@ class ShardDataset:
         for gid, reason in skipped:
             if gid not in self._skipped:
                 self._skipped[gid] = reason
-                warnings.warn(f"on_error='skip': skipping {self._reader.describe(gid)}: {reason}", stacklevel=3)
+                log.warning(f"on_error='skip': skipping {self._reader.describe(gid)}: {reason}")
 
     # -- inspection --------------------------------------------------------------------------
     def __getitem__(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,6 +18,10 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
+from xlatrain.logs import get_logger
+
+log = get_logger(__name__)
+
 MAX_CAUSES = 10  # distinct shape changes listed per phase; more are counted, not listed
 INPUT_BOUND_SHARE = 0.5  # share of epoch time spent waiting for the next batch
 SMALL_TPU_BATCH = 64  # per-core batch below which a TPU core is mostly idle (bf16 MXU tiles)
@@ -230,10 +234,10 @@ class RunDiagnostics:
 
             atomic_write_text(Path(run_dir) / "diagnostics.json", json.dumps(report, indent=1) + "\n")
             if findings:
-                print("diagnostics (details in diagnostics.json):", flush=True)
+                log.info("diagnostics (details in diagnostics.json):")
                 for f in findings:
-                    print(f"  - {f.title}: {f.evidence}\n    fix: {f.fix}", flush=True)
+                    log.info(f"  - {f.title}: {f.evidence}\n    fix: {f.fix}")
             else:
-                print("diagnostics: clean (no recompilation after warm-up, no unplanned device reads, "
-                      "no CPU fallbacks, not input-bound)", flush=True)
+                log.info("diagnostics: clean (no recompilation after warm-up, no unplanned device reads, "
+                      "no CPU fallbacks, not input-bound)")
         return report

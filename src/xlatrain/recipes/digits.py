@@ -15,7 +15,10 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from xlatrain.config import BackendConfig, ModelConfig, OptimizerConfig, RunConfig, ScheduleConfig, TrainConfig
+from xlatrain.logs import get_logger
 from xlatrain.report import plot_loss_curve
+
+log = get_logger(__name__)
 
 IMAGE_SIZE = 32
 
@@ -80,10 +83,9 @@ def run_demo(
     if trainer.backend.is_main:
         plot = plot_loss_curve(run_dir, history)
         best = max(history, key=lambda r: r["val_accuracy"])
-        print(
+        log.info(
             f"final validation accuracy {history[-1]['val_accuracy']:.4f} "
             f"(best {best['val_accuracy']:.4f} at epoch {best['epoch']}); "
-            f"wrote {run_dir}/history.csv, {run_dir}/best.safetensors, {plot}",
-            flush=True,
+            f"wrote {run_dir}/history.csv, {run_dir}/best.safetensors, {plot}"
         )
     return history[-1]

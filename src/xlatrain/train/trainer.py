@@ -34,11 +34,14 @@ from xlatrain.config import BackendConfig, CheckpointConfig, TrainConfig
 from xlatrain.data.sampling import EvalSampler, PaddedDataset, TrainSampler
 from xlatrain.data.source import BatchSource, train_steps_per_epoch
 from xlatrain.diagnostics.run import RunDiagnostics
+from xlatrain.logs import ensure_console, get_logger
 from xlatrain.report import write_history
 from xlatrain.train.metrics import EvalAccumulator, RowCollector, as_float, default_monitor, infer_task, per_sample_loss
 from xlatrain.train.state import Cursor
 from xlatrain.train.state import pack as pack_state
 from xlatrain.train.state import unpack
+
+log = get_logger(__name__)
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
@@ -159,6 +162,7 @@ class Trainer:
                 ``False`` starts fresh, in a new run directory if ``run_dir`` already holds a run.
         """
         cfg, be = self.config, self.backend
+        ensure_console()
         self._open_run_dir(resume)
         be.seed_everything(cfg.seed)
         feed = _TrainFeed(self, train_data)
@@ -447,7 +451,7 @@ class Trainer:
 
     def _say(self, message: str) -> None:
         if self.backend.is_main:
-            print(message, flush=True)
+            log.info(message)
 
 
 def _mode_for(monitor: str) -> str:

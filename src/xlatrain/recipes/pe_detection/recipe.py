@@ -20,7 +20,10 @@ from torch.utils.data import Dataset
 
 from xlatrain.config import from_dict
 from xlatrain.recipes.pe_detection.labels import ID_COLUMNS, STUDY_COLUMN, TARGET_NAMES
+from xlatrain.logs import get_logger
 from xlatrain.recipes.pe_detection.metrics import make_metrics_fn, prior_baseline
+
+log = get_logger(__name__)
 
 SOURCES = ("shards", "folder")
 
@@ -87,14 +90,14 @@ def _prepare(data: DataConfig, root: Path) -> None:
     if not (root / "train.csv").is_file():
         if not data.synthetic:
             raise ValueError(f"{root}/train.csv does not exist: point data.root at an RSNA-layout folder")
-        print(f"generating a synthetic RSNA-shaped dataset in {root} ...", flush=True)
+        log.info(f"generating a synthetic RSNA-shaped dataset in {root} ...")
         lo, hi = data.slices_per_study
         synthetic_rsna.generate(
             root, num_studies=data.num_studies, slices_per_study=(lo, hi), image_size=data.stored_size,
             seed=data.seed, workers=data.workers,
         )
     if data.source == "shards" and not (data.shard_dir / "manifest.json").is_file():
-        print(f"packing {root} into {data.shard_dir} ...", flush=True)
+        log.info(f"packing {root} into {data.shard_dir} ...")
         pack(
             root / "train.csv", root / "train", data.shard_dir, path_columns=list(ID_COLUMNS), suffix=".jpg",
             labels=list(TARGET_NAMES), group=STUDY_COLUMN, workers=data.workers, progress=False,

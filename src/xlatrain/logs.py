@@ -1,0 +1,56 @@
+"""Where xlatrain's messages go: the ``xlatrain`` logger, and a console handler for it.
+
+Library code logs (``logging.getLogger("xlatrain")``, rank 0 only for progress); it never prints.
+The ``xlatrain`` command installs the console handler. A Python program whose logging is not
+configured gets the same handler the first time a Trainer runs, so its epoch lines show as they
+would on the command line; a program that configures logging itself keeps full control.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+LOGGER_NAME = "xlatrain"
+_HANDLER_NAME = "xlatrain-console"
+
+
+class _StdoutHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stdout`` is at the time of each message (it may be swapped)."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stdout)
+
+    @property  # type: ignore[override]
+    def stream(self):  # noqa: ANN201
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value) -> None:  # noqa: ANN001
+        pass
+
+
+def get_logger(name: str = LOGGER_NAME) -> logging.Logger:
+    return logging.getLogger(name)
+
+
+def install_console_handler(level: int = logging.INFO) -> logging.Handler:
+    """Send ``xlatrain`` messages at ``level`` and above to stdout as bare lines (idempotent)."""
+    logger = logging.getLogger(LOGGER_NAME)
+    for handler in logger.handlers:
+        if handler.get_name() == _HANDLER_NAME:
+            return handler
+    handler = _StdoutHandler()
+    handler.set_name(_HANDLER_NAME)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    return handler
+
+
+def ensure_console() -> None:
+    """Install the console handler unless logging was configured (root or ``xlatrain`` handlers)."""
+    logger = logging.getLogger(LOGGER_NAME)
+    if logger.handlers or logging.getLogger().handlers:
+        return
+    install_console_handler()
