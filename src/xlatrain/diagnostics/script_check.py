@@ -914,14 +914,14 @@ class _Checker:
                     if not defs:
                         continue
                     parent = self.parents.get(node)
-                    single = len(bindings) == 1
+                    # a name that may hold one of several functions (one redefined) is a possible
+                    # call of each: each one's parameters may get these arguments
                     for d in defs:
                         rec = self._sites[d]
-                        if single and isinstance(parent, ast.Call) and parent.func is node:
+                        if isinstance(parent, ast.Call) and parent.func is node:
                             rec.calls.append((parent, 0))
                         elif (
-                            single
-                            and isinstance(parent, ast.Call)
+                            isinstance(parent, ast.Call)
                             and parent.args
                             and parent.args[0] is node
                             and self.call_name(parent) in (f"{XMP}.spawn", "torch_xla.launch")
@@ -1353,6 +1353,8 @@ class _Checker:
             if not res.complete:
                 out.add(_K_UNKNOWN)
             return out
+        if not isinstance(func, ast.Name):
+            return self._call_result(self.kinds(func), call)  # nn.BCEWithLogitsLoss()(out, y)
         return {_K_UNKNOWN}
 
     def _method_kinds(self, call: ast.Call, func: ast.Attribute) -> set[str]:
@@ -2173,7 +2175,8 @@ class _Checker:
             if certainty == "step" and every is None:
                 return "warning", f"{subject} inside a per-batch loop"
             if certainty == "step":
-                return "info", f"{subject} every few steps (under `if {every}`)"
+                # still mid-step: each read stops the host until the device has computed the value
+                return "warning", f"{subject} every few steps (under `if {every}`)"
             return "info", f"{subject} inside a loop that looks per-batch (if it runs once per batch)"
 
         def unsure(subject: str, value: ast.AST) -> str:
