@@ -130,12 +130,14 @@ def _read_metadata(raw: bytes) -> dict[str, str]:
 #   step-00000123/          one directory per checkpoint, renamed into place when complete
 #     state.safetensors     every tensor (model, optimizer, training sums)
 #     meta.json             everything else, and the sha256 of state.safetensors
-#   latest                  the newest complete checkpoint's name, replaced atomically
 #   .tmp-*                  a save in progress (or one killed mid-way; removed at the next start)
+#
+# The complete directories are the only record of what exists: a directory appears by one atomic
+# rename, so the newest one that verifies is the latest checkpoint, and no pointer file can
+# disagree with them after a crash.
 
 STATE_FILE = "state.safetensors"
 META_FILE = "meta.json"
-LATEST_FILE = "latest"
 
 
 class CheckpointError(RuntimeError):
@@ -178,10 +180,10 @@ def list_checkpoints(root: str | os.PathLike[str]) -> list[Path]:
 
 
 def write_checkpoint(root: str | os.PathLike[str], step: int, tensors: dict[str, torch.Tensor], meta: dict) -> Path:
-    """Write one checkpoint directory atomically and point ``latest`` at it.
+    """Write one checkpoint directory atomically (it appears complete, or not at all).
 
     On any failure (disk full, permission denied, a kill) the temporary directory is removed
-    where possible, ``latest`` still names the previous checkpoint, and the error says which path
+    where possible, the previous checkpoint stays the latest, and the error says which path
     failed and why.
     """
     import shutil
@@ -203,10 +205,9 @@ def write_checkpoint(root: str | os.PathLike[str], step: int, tensors: dict[str,
         _fsync_dir(tmp)
         os.rename(tmp, root / name)
         _fsync_dir(root)
-        atomic_write_text(root / LATEST_FILE, name + "\n")
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        latest = read_latest_name(root)
+        latest = latest_name(root)
         raise CheckpointError(
             f"could not save checkpoint {root / name}: {exc.strerror or exc} "
             f"({exc.filename or tmp}); temporary files removed; the latest checkpoint is still "
@@ -215,11 +216,10 @@ def write_checkpoint(root: str | os.PathLike[str], step: int, tensors: dict[str,
     return root / name
 
 
-def read_latest_name(root: Path) -> str | None:
-    try:
-        return (root / LATEST_FILE).read_text().strip() or None
-    except OSError:
-        return None
+def latest_name(root: str | os.PathLike[str]) -> str | None:
+    """The newest complete checkpoint's directory name under ``root`` (``None``: there is none)."""
+    found = list_checkpoints(root)
+    return found[-1].name if found else None
 
 
 def read_checkpoint(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], dict]:

@@ -19,6 +19,21 @@ SCHEDULER_INTERVALS = ("epoch", "step")
 NAN_POLICIES = ("stop", "skip_step", "ignore")
 
 
+# The direction of a monitored metric, known from the last word of its name. Any other name
+# needs monitor_mode: guessing (val_mae maximised) would keep the worst weights.
+MONITOR_DIRECTIONS = {"loss": "min", "accuracy": "max", "auc": "max"}
+
+
+def monitor_mode_for(monitor: str) -> str | None:
+    """``min`` / ``max`` for a metric whose name ends in a known word, else ``None``.
+
+    Example:
+        >>> monitor_mode_for("val_weighted_log_loss"), monitor_mode_for("val_mean_auc"), monitor_mode_for("val_mae")
+        ('min', 'max', None)
+    """
+    return MONITOR_DIRECTIONS.get(monitor.rsplit("_", 1)[-1])
+
+
 def _choice(name: str, value: Any, valid: tuple[str, ...]) -> None:
     if value not in valid:
         raise ValueError(f"{name}={value!r} is not valid: choose one of {', '.join(map(repr, valid))}")
@@ -75,7 +90,8 @@ class TrainConfig:
         task: ``classification`` (accuracy), ``multilabel`` (per-label AUC), ``none`` (loss only)
             or ``auto`` (from the loss: CrossEntropyLoss / BCEWithLogitsLoss).
         monitor: history column that selects the best weights (default from the task).
-        monitor_mode: ``max`` or ``min`` (default from the monitored name).
+        monitor_mode: ``max`` or ``min``; may be left out only for a name ending in ``_loss``
+            (min), ``_accuracy`` or ``_auc`` (max).
         scheduler_interval: step the scheduler every ``epoch`` or every optimizer ``step``.
         nan_policy: what a NaN/Inf loss or gradient norm does, found at the next log interval or
             checkpoint (no per-step read): ``stop`` (raise, naming the step range; the last good
@@ -126,6 +142,12 @@ class TrainConfig:
         _choice("task", self.task, TASKS)
         if self.monitor_mode is not None:
             _choice("monitor_mode", self.monitor_mode, MONITOR_MODES)
+        elif self.monitor is not None and monitor_mode_for(self.monitor) is None:
+            raise ValueError(
+                f"monitor={self.monitor!r} needs monitor_mode: say whether a higher value is better "
+                f"(monitor_mode='max') or a lower one (monitor_mode='min'); only names ending in "
+                f"{', '.join('_' + w for w in MONITOR_DIRECTIONS)} have a known direction"
+            )
         _choice("scheduler_interval", self.scheduler_interval, SCHEDULER_INTERVALS)
         _choice("nan_policy", self.nan_policy, NAN_POLICIES)
         if not self.run_dir:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from xlatrain.checkpoint import atomic_write_bytes, atomic_write_text
+from xlatrain.config import monitor_mode_for
 
 
 def _json_value(v: Any) -> Any:
@@ -78,7 +79,9 @@ def _monitor(run_dir: Path, rows: Sequence[dict[str, Any]]) -> tuple[str, str]:
 
         trainer = (yaml.safe_load(config.read_text()) or {}).get("trainer", {})
         if trainer.get("monitor"):
-            return trainer["monitor"], trainer.get("monitor_mode") or ("min" if "loss" in trainer["monitor"] else "max")
+            mode = trainer.get("monitor_mode") or monitor_mode_for(trainer["monitor"])
+            if mode:
+                return trainer["monitor"], mode
     for name, mode in (("val_mean_auc", "max"), ("val_accuracy", "max"), ("val_loss", "min")):
         if any(name in r for r in rows):
             return name, mode

@@ -18,7 +18,7 @@ from torch.utils.data import TensorDataset
 
 import xlatrain
 from conftest import SCRIPTS, run_script, script_env
-from xlatrain.checkpoint import CheckpointError, find_resumable, list_checkpoints, read_checkpoint, read_latest_name
+from xlatrain.checkpoint import CheckpointError, find_resumable, list_checkpoints, read_checkpoint, latest_name
 
 RESUMABLE = str(SCRIPTS / "resumable.py")
 
@@ -179,7 +179,7 @@ def test_nan_policy_stop_names_the_steps_and_keeps_the_last_good_checkpoint(tmp_
     trainer = _tiny_trainer(tmp_path, NanAtStep(5))
     with pytest.raises(xlatrain.NonFiniteLossError, match=r"between steps \d+ and \d+ of epoch 1.*latest: step-00000004"):
         trainer.fit(_tiny_data())
-    assert read_latest_name(tmp_path / "checkpoints") == "step-00000004"
+    assert latest_name(tmp_path / "checkpoints") == "step-00000004"
     _, meta = read_checkpoint(tmp_path / "checkpoints" / "step-00000004")
     assert meta["cursor"]["step"] == 4
 
@@ -242,7 +242,7 @@ except CheckpointError as exc:
     assert "ERROR could not save checkpoint" in out.stdout, out.stdout + out.stderr
     assert "File too large" in out.stdout and "the latest checkpoint is still step-00000010" in out.stdout
     root = tmp_path / "checkpoints"
-    assert read_latest_name(root) == "step-00000010"
+    assert latest_name(root) == "step-00000010"
     assert not list(root.glob(".tmp-*"))
     read_checkpoint(root / "step-00000010")  # still verifies
 

@@ -166,7 +166,7 @@ def test_items_that_are_not_pairs_are_a_clear_error(tmp_path):
 
 
 def test_an_unknown_monitor_names_the_columns(tmp_path):
-    trainer = _trainer(tmp_path, batch_size=8, monitor="val_f1")
+    trainer = _trainer(tmp_path, batch_size=8, monitor="val_f1", monitor_mode="max")
     with pytest.raises(ValueError, match=r"monitor='val_f1' is not a history column; available: .*val_accuracy"):
         trainer.fit(_classification(32), _classification(10))
 

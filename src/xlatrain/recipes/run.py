@@ -6,6 +6,7 @@ A recipe is a module with a ``DataConfig`` dataclass (its ``data:`` section) and
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 from collections.abc import Callable, Sequence
@@ -68,6 +69,7 @@ def build_trainer(config: RunConfig) -> tuple[Trainer, RecipeParts]:
         backend=config.backend,
         label_names=parts.label_names,
         metrics_fn=parts.metrics_fn,
+        run_config=dataclasses.asdict(config),
     )
     return trainer, parts
 

@@ -25,13 +25,15 @@ FORMAT_VERSION = 1
 @dataclass
 class Cursor:
     """Where a run stands: ``step`` micro-batches of ``epoch`` are done (``epoch_done``: all of it,
-    validation and history row included)."""
+    validation and history row included), and where its best monitored value is."""
 
     epoch: int = 1
     step: int = 0
     global_step: int = 0  # optimizer steps since the start of the run
     epoch_done: bool = False
     best: float = math.nan
+    best_epoch: int | None = None
+    best_checkpoint: str | None = None  # the checkpoint saved at the end of best_epoch, kept by pruning
     history: list[dict[str, Any]] = field(default_factory=list)
 
     def next_position(self) -> tuple[int, int]:
@@ -70,7 +72,7 @@ def pack(
     sums_per_process: list[dict[str, float]],
     cursor: Cursor,
     rng_states: list[dict[str, Any]],
-    config: Any,
+    config: dict[str, Any],
     read: Callable[[Sequence[torch.Tensor]], list[torch.Tensor]],
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Collect the run's state; ``read`` brings every device tensor to the host in one planned sync."""
@@ -103,7 +105,8 @@ def pack(
         "rng": rng_states,
         # Each process's running sums of the epoch (float32 values, exact as JSON floats).
         "sums": sums_per_process,
-        "config": dataclasses.asdict(config),
+        # What the run was started with, compared with the resuming run's (see resume_changes).
+        "config": config,
         "versions": _versions(),
     }
     if math.isnan(cursor.best):
@@ -142,3 +145,76 @@ def unpack(
     raw["best"] = math.nan if raw.get("best") is None else raw["best"]
     cursor = Cursor(**raw, history=list(meta["history"]))
     return cursor, list(meta["sums"]), list(meta["rng"])
+
+
+# How each setting may differ when a run resumes from a checkpoint. "continue": the run goes on
+# under the new value and the log names the change. "error": the saved state was built under the
+# old value (the batch, the sample order, the optimizer and schedule, what "best" means), so
+# going on would silently mix two runs. Every TrainConfig and CheckpointConfig field is listed.
+RESUME_RULES: dict[str, str] = {
+    "trainer.epochs": "at least the epochs done",
+    "trainer.batch_size": "error",
+    "trainer.eval_batch_size": "continue",
+    "trainer.scale_lr": "error",
+    "trainer.precision": "continue",
+    "trainer.grad_accum_steps": "error",
+    "trainer.clip_grad_norm": "continue",
+    "trainer.log_every": "continue",
+    "trainer.seed": "error",
+    "trainer.num_workers": "continue",
+    "trainer.task": "error",
+    "trainer.monitor": "error",
+    "trainer.monitor_mode": "error",
+    "trainer.scheduler_interval": "error",
+    "trainer.nan_policy": "continue",
+    "trainer.diagnostics": "continue",
+    "trainer.strict": "continue",
+    "trainer.run_dir": "continue",
+    "checkpoint.every_steps": "continue",
+    "checkpoint.at_epoch_end": "continue",
+    "checkpoint.keep_last": "continue",
+    "checkpoint.enabled": "continue",
+    "backend.compile_cache": "continue",
+    # The shape of the run itself, recorded by the Trainer.
+    "run.global_batch": "error",
+    "run.num_train_samples": "error",
+}
+# Sections of a config-driven run (``xlatrain fit``) whose every key must match: the model is
+# rebuilt from them, the optimizer and schedule state come back from the checkpoint (a new
+# learning rate would be ignored), and the data define what the cursor points into.
+STRICT_SECTIONS = ("model", "optimizer", "schedule", "data", "backend")
+
+
+def _flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and (prefix or key in ("trainer", "checkpoint", "run", *STRICT_SECTIONS)):
+            out.update(_flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def resume_changes(old: dict[str, Any], new: dict[str, Any], epochs_done: int) -> tuple[list[str], list[str]]:
+    """Compare the checkpoint's config with the resuming run's: ``(continued, refused)`` lines.
+
+    Each line is ``key old -> new``; ``refused`` ones say why the run cannot go on under them.
+    """
+    before, after = _flatten(old), _flatten(new)
+    continued, refused = [], []
+    for key in sorted(set(before) | set(after)):
+        was, now = before.get(key), after.get(key)
+        if was == now or key not in before or key not in after:
+            continue  # a key one side does not record (an older checkpoint, no run config) is not compared
+        rule = RESUME_RULES.get(key, "error" if key.split(".")[0] in STRICT_SECTIONS else "continue")
+        line = f"{key} {was!r} -> {now!r}"
+        if rule == "continue":
+            continued.append(line)
+        elif rule == "at least the epochs done":
+            (continued if isinstance(now, int) and now >= epochs_done else refused).append(
+                line + ("" if isinstance(now, int) and now >= epochs_done else f" (the checkpoint has finished {epochs_done} epoch(s))")
+            )
+        else:
+            refused.append(line)
+    return continued, refused

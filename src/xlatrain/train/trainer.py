@@ -8,6 +8,7 @@ per global batch, with nothing read back to the host except through ``backend.de
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import signal
@@ -25,19 +26,20 @@ from xlatrain.checkpoint import (
     find_resumable,
     list_checkpoints,
     prune_checkpoints,
+    distinct_weights,
+    latest_name,
     read_checkpoint,
-    read_latest_name,
     save_weights,
     write_checkpoint,
 )
-from xlatrain.config import BackendConfig, CheckpointConfig, TrainConfig
+from xlatrain.config import BackendConfig, CheckpointConfig, TrainConfig, monitor_mode_for
 from xlatrain.data.sampling import EvalSampler, PaddedDataset, TrainSampler
 from xlatrain.data.source import BatchSource, train_steps_per_epoch
 from xlatrain.diagnostics.run import RunDiagnostics
 from xlatrain.logs import ensure_console, get_logger
 from xlatrain.report import write_history
 from xlatrain.train.metrics import EvalAccumulator, RowCollector, as_float, default_monitor, infer_task, per_sample_loss
-from xlatrain.train.state import Cursor
+from xlatrain.train.state import Cursor, resume_changes
 from xlatrain.train.state import pack as pack_state
 from xlatrain.train.state import unpack
 
@@ -86,6 +88,10 @@ class Trainer:
         metrics_fn: ``metrics_fn(outputs, targets) -> {name: value}`` on the host, over the whole
             evaluation set in dataset order (outputs/targets as the model and dataset give them,
             stacked); its keys join the history as ``val_<name>``.
+        run_config: the resolved config of a config-driven run (``xlatrain fit``: sections
+            ``model``, ``optimizer``, ``schedule``, ``data``, ``backend``), kept in checkpoints so
+            that a resumed run whose model, optimizer, schedule or data differ stops with the
+            keys named instead of silently mixing two runs.
 
     Example:
         >>> trainer = Trainer(model, nn.CrossEntropyLoss(), partial(torch.optim.Adam, lr=1e-3),
@@ -105,6 +111,7 @@ class Trainer:
         backend: Backend | BackendConfig | str = "auto",
         label_names: Sequence[str] | None = None,
         metrics_fn: Callable[[Any, Any], dict[str, float]] | None = None,
+        run_config: dict[str, Any] | None = None,
     ) -> None:
         self.config = cfg = config or TrainConfig()
         self.checkpoint = checkpoint or CheckpointConfig()
@@ -116,10 +123,12 @@ class Trainer:
         self.task = infer_task(loss_fn) if cfg.task == "auto" else cfg.task
         monitor, mode = default_monitor(self.task)
         self.monitor = cfg.monitor or monitor
-        self.monitor_mode = cfg.monitor_mode or (mode if cfg.monitor is None else _mode_for(self.monitor))
+        # TrainConfig refuses a monitor whose direction is neither given nor known from its name.
+        self.monitor_mode = cfg.monitor_mode or (mode if cfg.monitor is None else monitor_mode_for(self.monitor))
         self.loss_fn = loss_fn
         self.label_names = list(label_names) if label_names is not None else None
         self.metrics_fn = metrics_fn
+        self._run_config = {k: v for k, v in (run_config or {}).items() if k not in ("trainer", "checkpoint")}
         self.model = be.prepare_model(model)
         self.optimizer = optimizer_fn(be.unwrap(self.model).parameters())
         if cfg.scale_lr and be.world_size > 1:
@@ -136,8 +145,7 @@ class Trainer:
         self._eval_loss: Callable[[Any, Any], torch.Tensor] | None = None
         self._run_dir = Path(cfg.run_dir)
         self._nonfinite: tuple[int, int, int, int] | None = None  # set by a deferred read
-        self._best_epoch: int | None = None
-        self._best_checkpoint: str | None = None
+        self._config_record: dict[str, Any] = {}
         self._diag: RunDiagnostics | None = None
 
     # ----------------------------------------------------------------------------------------
@@ -168,6 +176,12 @@ class Trainer:
         feed = _TrainFeed(self, train_data)
         if val_data is None and self.monitor.startswith("val_") and cfg.monitor is None:
             self.monitor, self.monitor_mode = "train_loss", "min"  # nothing validated to monitor
+        self._config_record = {
+            **self._run_config,
+            "trainer": dataclasses.asdict(cfg),
+            "checkpoint": dataclasses.asdict(self.checkpoint),
+            "run": {"global_batch": self.global_batch_size * cfg.grad_accum_steps, "num_train_samples": len(train_data)},
+        }
         cursor, sums = self._resume(resume)
         self.history = cursor.history
         self._diag = (
@@ -181,6 +195,11 @@ class Trainer:
             + f" | precision {cfg.precision} | run dir {self.run_dir}"
         )
         first_epoch, start_step = cursor.next_position()
+        if first_epoch > cfg.epochs:
+            self._say(
+                f"all {cfg.epochs} epoch(s) of this run are done: nothing to train. Raise epochs to train "
+                "on, or start over (resume=False; --fresh on the command line)."
+            )
         with _StopSignals() as stop:
             for epoch in range(first_epoch, cfg.epochs + 1):
                 started = time.perf_counter()
@@ -341,9 +360,12 @@ class Trainer:
         else:
             path = Path(resume)
             tensors, meta = read_checkpoint(path)
+        self._check_resumable(path, tensors, meta)
         cursor, per_process_sums, rng = unpack(
             tensors, meta, model=be.unwrap(self.model), optimizer=self.optimizer, scheduler=self.scheduler
         )
+        if cursor.epoch_done and cursor.best_epoch == cursor.epoch:
+            cursor.best_checkpoint = path.name  # saved right after the best epoch: this one
         if len(rng) != be.num_processes:
             raise ValueError(
                 f"checkpoint {path} was written by {len(rng)} process(es) but this run has "
@@ -355,6 +377,33 @@ class Trainer:
         epoch, step = cursor.next_position()
         self._say(f"resumed from {path}: continuing at epoch {epoch}, step {step} (optimizer step {cursor.global_step})")
         return cursor, sums
+
+    def _check_resumable(self, path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        """Refuse, before anything is loaded, a checkpoint this run cannot continue; log what changed."""
+        ways_on = (
+            "Resume with the old values, or start over: --fresh on the command line, "
+            "fit(..., resume=False) in Python (a new run directory; this one is kept)."
+        )
+        saved = {k[len("model."):]: tuple(t.shape) for k, t in tensors.items() if k.startswith("model.")}
+        weights, _ = distinct_weights(self.backend.unwrap(self.model))
+        mine = {name: tuple(t.shape) for name, t in weights.items()}
+        if saved != mine:
+            diffs = [f"{n}: {saved.get(n, 'absent')} -> {mine.get(n, 'absent')}" for n in sorted(set(saved) | set(mine))
+                     if saved.get(n) != mine.get(n)]
+            raise ValueError(
+                f"cannot resume from {path}: the model differs from the checkpoint's in {len(diffs)} weight(s) "
+                f"(checkpoint -> this model): {'; '.join(diffs[:5])}{' ...' if len(diffs) > 5 else ''}. {ways_on}"
+            )
+        old = meta.get("config") or {}
+        if "trainer" not in old:  # written before the whole run config was recorded
+            old = {"trainer": old}
+        raw = meta.get("cursor", {})
+        done = raw.get("epoch", 1) - (0 if raw.get("epoch_done") else 1)
+        continued, refused = resume_changes(old, self._config_record, epochs_done=done)
+        if refused:
+            raise ValueError(f"cannot resume from {path}: the run cannot continue under {'; '.join(refused)}. {ways_on}")
+        if continued:
+            self._say(f"resuming with changed settings: {'; '.join(continued)}")
 
     def _save_checkpoint(self, cursor: Cursor, sums: dict[str, torch.Tensor]) -> Path | None:
         be = self.backend
@@ -368,13 +417,13 @@ class Trainer:
         tensors, meta = pack_state(
             model=be.unwrap(self.model), optimizer=self.optimizer, scheduler=self.scheduler, cursor=cursor,
             sums_per_process=[p["sums"] for p in per_process], rng_states=[p["rng"] for p in per_process],
-            config=self.config, read=be.read,
+            config=self._config_record, read=be.read,
         )
         root = self.run_dir / "checkpoints"
         path = write_checkpoint(root, cursor.global_step, tensors, meta)
-        if cursor.epoch_done and self._best_epoch == cursor.epoch:
-            self._best_checkpoint = path.name
-        prune_checkpoints(root, self.checkpoint.keep_last, keep={self._best_checkpoint} - {None})
+        if cursor.epoch_done and cursor.best_epoch == cursor.epoch:
+            cursor.best_checkpoint = path.name
+        prune_checkpoints(root, self.checkpoint.keep_last, keep={cursor.best_checkpoint} - {None})
         return path
 
     def _preempt(self, cursor: Cursor, sums: dict[str, torch.Tensor], stop: _StopSignals) -> None:
@@ -397,7 +446,7 @@ class Trainer:
 
     def _fail_nonfinite(self) -> None:
         epoch, first, last, count = self._nonfinite or (0, 0, 0, 0)
-        latest = read_latest_name(self.run_dir / "checkpoints")
+        latest = latest_name(self.run_dir / "checkpoints")
         raise NonFiniteLossError(
             f"the loss or gradient norm was NaN/Inf in {count} step(s) between steps {first} and "
             f"{last} of epoch {epoch}; nothing after the last good checkpoint was saved "
@@ -414,7 +463,7 @@ class Trainer:
             math.isnan(best) or (value > best if self.monitor_mode == "max" else value < best)
         )
         if improved:
-            cursor.best, self._best_epoch = value, row["epoch"]
+            cursor.best, cursor.best_epoch = value, row["epoch"]
             if self.backend.is_main:
                 save_weights(self.backend.unwrap(self.model), self.run_dir / "best.safetensors", read=self.backend.read)
         return improved
@@ -452,10 +501,6 @@ class Trainer:
     def _say(self, message: str) -> None:
         if self.backend.is_main:
             log.info(message)
-
-
-def _mode_for(monitor: str) -> str:
-    return "min" if "loss" in monitor or "rmse" in monitor or "error" in monitor else "max"
 
 
 def _epoch_line(row: dict[str, Any], epochs: int, monitor: str, improved: bool) -> str:

@@ -1,0 +1,137 @@
+"""What a resumed run remembers and refuses: the best checkpoint, the monitor's direction, and a
+config that changed since the checkpoint was written."""
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import xlatrain
+from xlatrain.checkpoint import list_checkpoints, load_weights, read_checkpoint
+from xlatrain.config import TrainConfig
+
+
+def _data(n=40, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 4, generator=g)
+    return TensorDataset(x, (x[:, 0] > 0).long())
+
+
+def _trainer(run_dir, model=None, lr=0.1, keep_last=1, **cfg):
+    torch.manual_seed(0)
+    cfg.setdefault("epochs", 1)
+    cfg.setdefault("batch_size", 4)
+    return xlatrain.Trainer(
+        model or nn.Linear(4, 2),
+        nn.CrossEntropyLoss(),
+        functools.partial(torch.optim.SGD, lr=lr),
+        config=xlatrain.TrainConfig(run_dir=str(run_dir), **cfg),
+        checkpoint=xlatrain.CheckpointConfig(keep_last=keep_last),
+        backend="cpu",
+    )
+
+
+def test_the_best_checkpoint_survives_pruning_after_a_resume(tmp_path):
+    # The training loss falls, so under monitor_mode="max" epoch 1 stays the best one throughout.
+    first = _trainer(tmp_path, epochs=2, monitor="train_loss", monitor_mode="max")
+    first.fit(_data())
+    best_dir = list_checkpoints(tmp_path / "checkpoints")[0]
+    assert read_checkpoint(best_dir)[1]["cursor"]["epoch"] == 1
+    resumed = _trainer(tmp_path, epochs=4, monitor="train_loss", monitor_mode="max")
+    history = resumed.fit(_data())
+    assert [r["epoch"] for r in history] == [1, 2, 3, 4]
+    names = [p.name for p in list_checkpoints(tmp_path / "checkpoints")]
+    assert best_dir.name in names, names  # kept besides the keep_last=1 newest
+    assert len(names) == 2
+    # best.safetensors still holds epoch 1's weights: the ones in the kept checkpoint.
+    tensors, _ = read_checkpoint(best_dir)
+    model = nn.Linear(4, 2)
+    load_weights(model, tmp_path / "best.safetensors")
+    assert torch.equal(model.weight, tensors["model.weight"])
+
+
+def test_a_monitor_of_unknown_direction_needs_monitor_mode():
+    with pytest.raises(ValueError, match=r"monitor='val_mae' needs monitor_mode: .*'max'.*'min'"):
+        TrainConfig(monitor="val_mae")
+    assert TrainConfig(monitor="val_mae", monitor_mode="min").monitor_mode == "min"
+    TrainConfig(monitor="val_weighted_log_loss")  # direction known from the name: min
+    TrainConfig(monitor="val_mean_auc")
+
+
+def test_a_minimised_custom_metric_keeps_the_lowest_epoch(tmp_path):
+    trainer = _trainer(tmp_path, epochs=3, monitor="train_loss", monitor_mode="min")
+    history = trainer.fit(_data())
+    best = min(history, key=lambda r: r["train_loss"])
+    assert trainer.monitor_mode == "min" and best["epoch"] == 3
+
+
+def test_fewer_epochs_than_done_is_an_error_naming_both_ways_on(tmp_path):
+    _trainer(tmp_path, epochs=3).fit(_data())
+    with pytest.raises(ValueError, match=r"trainer\.epochs 3 -> 2 \(the checkpoint has finished 3 epoch\(s\)\).*old values.*--fresh.*resume=False"):
+        _trainer(tmp_path, epochs=2).fit(_data())
+
+
+def test_more_epochs_continue_and_say_which_keys_changed(tmp_path, caplog):
+    _trainer(tmp_path, epochs=2).fit(_data())
+    caplog.set_level("INFO", logger="xlatrain")
+    history = _trainer(tmp_path, epochs=3, log_every=7).fit(_data())
+    assert [r["epoch"] for r in history] == [1, 2, 3]
+    assert "resuming with changed settings: trainer.epochs 2 -> 3; trainer.log_every 50 -> 7" in caplog.text
+
+
+def test_a_finished_run_says_there_is_nothing_to_train(tmp_path, caplog):
+    _trainer(tmp_path, epochs=2).fit(_data())
+    caplog.set_level("INFO", logger="xlatrain")
+    history = _trainer(tmp_path, epochs=2).fit(_data())
+    assert len(history) == 2 and "all 2 epoch(s) of this run are done: nothing to train" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"batch_size": 8}, r"trainer\.batch_size 4 -> 8"),
+        ({"seed": 1}, r"trainer\.seed 0 -> 1"),
+        ({"grad_accum_steps": 2}, r"trainer\.grad_accum_steps 1 -> 2"),
+    ],
+)
+def test_a_setting_the_state_was_built_under_cannot_change(tmp_path, change, named):
+    _trainer(tmp_path, epochs=1).fit(_data())
+    with pytest.raises(ValueError, match=f"cannot resume .*{named}.*--fresh"):
+        _trainer(tmp_path, epochs=2, **change).fit(_data())
+    # Refused before anything ran: the history still holds the first run's one epoch.
+    assert len(_trainer(tmp_path, epochs=1).fit(_data())) == 1
+
+
+def test_another_dataset_size_or_model_shape_is_refused(tmp_path):
+    _trainer(tmp_path, epochs=1).fit(_data(40))
+    with pytest.raises(ValueError, match=r"run\.num_train_samples 40 -> 48"):
+        _trainer(tmp_path, epochs=2).fit(_data(48))
+    wider = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    with pytest.raises(ValueError, match=r"the model differs from the checkpoint.s in 6 weight\(s\).*0\.weight: absent -> \(8, 4\)"):
+        _trainer(tmp_path, model=wider, epochs=2).fit(_data(40))
+
+
+def test_a_config_driven_run_refuses_another_optimizer_or_model_setting(tmp_path):
+    from xlatrain.config import apply_overrides, load_yaml, run_config_from_dict
+    from xlatrain.recipes.run import run
+
+    base = load_yaml(open("configs/digits.yaml").read())
+    sets = [f"trainer.run_dir={tmp_path}", "trainer.epochs=1", "model.width=4", "backend.accelerator=cpu"]
+    run(run_config_from_dict(apply_overrides(base, sets)))
+    changed = run_config_from_dict(apply_overrides(base, [*sets[:1], "trainer.epochs=2", "model.width=4",
+                                                          "backend.accelerator=cpu", "optimizer.lr=0.5"]))
+    with pytest.raises(ValueError, match=r"optimizer\.lr 0\.00\d+ -> 0\.5"):
+        run(changed)
+
+
+def test_every_trainer_and_checkpoint_setting_has_a_resume_rule():
+    import dataclasses
+
+    from xlatrain.config import CheckpointConfig
+    from xlatrain.train.state import RESUME_RULES
+
+    fields = {f"trainer.{f.name}" for f in dataclasses.fields(TrainConfig)}
+    fields |= {f"checkpoint.{f.name}" for f in dataclasses.fields(CheckpointConfig)}
+    assert fields - set(RESUME_RULES) == set(), "classify the new setting in RESUME_RULES"
