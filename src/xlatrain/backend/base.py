@@ -26,6 +26,10 @@ class Backend(Protocol):
     num_processes: int  # processes in the whole job, each with its own loader
     process_index: int  # this process, 0 .. num_processes-1
     devices_per_process: int  # replicas fed by one process (its loader batch = per-device * this)
+    # What the device physically is: "cpu", "cuda" or "tpu". XLA on the host's CPU says "cpu",
+    # so a finding can hold for the hardware it ran on, not for the runtime's name.
+    platform: str
+    planned_reads: int  # host reads made so far through defer/read (diagnostics count the others)
 
     @property
     def is_main(self) -> bool:

@@ -37,6 +37,8 @@ class NativeBackend:
                 "Use accelerator='auto' to take whatever is present, or 'cpu'."
             )
         self.name = device_type
+        self.platform = device_type
+        self.planned_reads = 0
         distributed = launched_by_torchrun() and int(os.environ.get("WORLD_SIZE", "1")) > 1
         world = int(os.environ.get("WORLD_SIZE", "1")) if distributed else 1
         if devices is not None and devices != world:
@@ -131,6 +133,7 @@ class NativeBackend:
             self._run_ready(wait=False)
 
     def defer(self, fn: Callable[..., None], tensors: Sequence[torch.Tensor]) -> None:
+        self.planned_reads += 1
         if self.name == "cpu":
             fn(*[t.detach() for t in tensors])
             return
@@ -142,6 +145,7 @@ class NativeBackend:
 
     def read(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         self._run_ready(wait=True)
+        self.planned_reads += bool(tensors)
         return [t.detach().cpu() for t in tensors]
 
     def _run_ready(self, wait: bool) -> None:

@@ -108,6 +108,9 @@ class XlaBackend:
         self.device = torch_xla.device()
         self._device_type = xr.device_type() or "CPU"
         self.planned_reads = 0  # host reads made through defer/read
+        # XLA:CPU is this host's CPU: diagnostics judge it as a CPU, not as an accelerator.
+        kind = self._device_type.upper()
+        self.platform = {"TPU": "tpu", "CUDA": "cuda", "GPU": "cuda"}.get(kind, kind.lower())
 
     def _check_count(self, asked: int | None, found: int) -> None:
         if asked is not None and asked != found:
