@@ -489,6 +489,24 @@ def test_data_dependent_shapes_on_xla():
     assert graded(on_device) == {(5, "dynamic-shape", "warning"), (6, "dynamic-shape", "warning"), (8, "dynamic-shape", "warning")}
 
 
+def test_a_data_dependent_shape_is_a_warning_only_where_it_runs_every_step():
+    src = """
+        import torch, torch_xla
+        import torch_xla.distributed.parallel_loader as pl
+        device = torch_xla.device()
+        classes = torch.unique(torch.randint(0, 4, (64,), device=device))
+        def train(loader, model, opt):
+            for x, y in pl.MpDeviceLoader(loader, device):
+                kept = x[y.nonzero()]
+                model(kept).sum().backward()
+                opt.step()
+    """
+    assert {(line, severity) for line, code, severity in graded(src) if code == "dynamic-shape"} == {
+        (5, "info"),
+        (8, "warning"),
+    }
+
+
 def test_weight_tying_before_the_move_in_a_plain_module():
     src = """
         import torch_xla
@@ -588,6 +606,14 @@ def test_manual_lr_scaling_forms():
         steps = 100 * xr.world_size()
     """
     assert found(src) == {(4, "manual-lr-scaling"), (5, "manual-lr-scaling")}
+
+
+def test_a_value_passed_through_thousands_of_names_is_unsettled_not_a_crash():
+    lines = ["import torch, torch_xla", "x0 = torch.zeros(3, device=torch_xla.device())"]
+    lines += [f"x{i} = x{i - 1} + 1" for i in range(1, 3000)]
+    lines += ["for step in range(10):", "    loss = x2999.sum()", "    loss.backward()", "    print(loss.item())"]
+    findings = check_source("\n".join(lines) + "\n")
+    assert [(f.code, f.severity) for f in findings if f.line == 3005] == [("host-sync", "info")]
 
 
 # ------------------------------------------------------------------ porting notes

@@ -409,6 +409,9 @@ _K_BATCH_CPU = "batch-on-cpu"
 _K_FUNC = "function"
 _K_INSTANCE = "instance"
 _K_UNKNOWN = "unknown"
+# How deep the check follows one value through names and calls before it calls it unsettled
+# (each level costs a handful of Python frames).
+_MAX_DEPTH = 120
 _ON_DEVICE = frozenset({_K_DEVICE, _K_ON_XLA, _K_BATCH_DEVICE})
 # kinds an element of a tuple of them keeps (a tuple of loaders, a tensor's row)
 _KEPT_BY_ELEMENT = frozenset(
@@ -1044,6 +1047,8 @@ class _Checker:
             return self._kinds[node]
         if node in self._busy:
             return frozenset()  # a cycle (x = x + 1 in a loop) adds nothing new
+        if len(self._busy) > _MAX_DEPTH:
+            return frozenset({_K_UNKNOWN})  # a chain too long to follow: say it is not settled
         self._busy.add(node)
         try:
             result = frozenset(self._compute_kinds(node))
@@ -1105,6 +1110,8 @@ class _Checker:
             return self._binding_kinds[b]
         if b in self._busy:
             return frozenset()
+        if len(self._busy) > _MAX_DEPTH:
+            return frozenset({_K_UNKNOWN})
         self._busy.add(b)
         try:
             out = frozenset(self._compute_binding_kinds(b))
@@ -1674,8 +1681,10 @@ class _Checker:
             and cls.name in self.module_classes
             and (name.startswith("torch.") or (operand is not None and self.maybe_device(operand)))
         )
-        if operand is not None and self.is_device(operand):
+        if operand is not None and self.is_device(operand) and (in_forward or self.in_step_loop(call)):
             severity, where = "warning", ""
+        elif operand is not None and self.is_device(operand):
+            severity, where = "info", " (once here, outside any per-batch loop)"
         elif in_forward:
             severity = "warning" if self.xla_moves else "info"
             where = "" if self.xla_moves else " (when this model runs on the XLA device)"
@@ -1787,7 +1796,7 @@ class _Checker:
         parameters (their call sites), ParallelLoader / MpDeviceLoader / per_device_loader,
         enumerate / tqdm / zip, and functions that return a loader."""
         seen = set() if seen is None else seen
-        if expr is None or expr in seen or len(seen) > 200:
+        if expr is None or expr in seen or len(seen) > _MAX_DEPTH:
             return set()
         seen.add(expr)
         out: set[ast.Call] = set()
@@ -2092,6 +2101,16 @@ class _Checker:
         if any(_LOADER_NAME.search(n) for n in named):
             return "guess"
         return None
+
+    def in_step_loop(self, node: ast.AST) -> bool:
+        """True when ``node`` runs inside a loop of its scope that the code shows to be per-batch."""
+        scope = self.scope_of(node)
+        cur = self.parents.get(node)
+        while cur is not None and cur is not scope:
+            if isinstance(cur, (ast.For, ast.AsyncFor, ast.While)) and self.loop_certainty(cur) == "step":
+                return True
+            cur = self.parents.get(cur)
+        return False
 
     def check_parallel_loader_iter(self, loop: ast.For | ast.AsyncFor) -> None:
         for it in self.iter_source(loop.iter):
@@ -2495,11 +2514,13 @@ class _Checker:
             elif isinstance(parent, ast.Dict):
                 context = " ".join(ast.unparse(k) for k, v in zip(parent.keys, parent.values) if v is node and k)
             if _LR_NAME.search(context):
+                counted = any(isinstance(s, ast.Call) and self.is_world_size(s) for s in (node.left, node.right))
+                factor = "the device count" if counted else "what its name says is the device count"
                 self.add(
                     node,
                     "manual-lr-scaling",
                     "info",
-                    f"the learning rate is multiplied by the device count by hand ({ast.unparse(node)})",
+                    f"the learning rate is multiplied by {factor} by hand ({ast.unparse(node)})",
                     "TrainConfig(scale_lr=True) scales every learning rate by the number of devices "
                     "once, and the run log states the global batch and learning rate",
                 )
