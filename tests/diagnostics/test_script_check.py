@@ -597,6 +597,44 @@ def test_a_model_moved_in_place_makes_its_outputs_device_tensors():
     assert (11, "host-sync", "warning") in graded(src)
 
 
+@pytest.mark.parametrize(
+    "loader, severity",
+    [
+        ("DataLoader(data, batch_size=32)", "warning"),
+        ("DataLoader(data, **loader_kwargs)", "info"),  # drop_last may be in there
+        ("DataLoader(data, 32, True, None, None, 0, None, False, True)", None),  # positional drop_last
+        ("DataLoader(data, batch_size=32, drop_last=cfg.drop_last)", "info"),
+        ("DataLoader(data, batch_sampler=buckets)", None),
+        ("DataLoader(data, batch_size=None)", None),
+    ],
+)
+def test_ragged_batch_reads_what_the_dataloader_call_says(loader, severity):
+    src = f"""
+        import torch, torch_xla
+        from torch.utils.data import DataLoader
+        def train(data, model, opt, loader_kwargs, cfg, buckets):
+            for x, y in {loader}:
+                model(x).sum().backward()
+                opt.step()
+                torch_xla.sync()
+    """
+    got = {s for line, code, s in graded(src) if code == "ragged-batch"}
+    assert got == ({severity} if severity else set())
+
+
+def test_a_lightning_script_off_tpu_gets_ragged_batches_as_a_note():
+    src = """
+        import lightning as L
+        from torch.utils.data import DataLoader
+        class M(L.LightningModule):
+            def train_dataloader(self):
+                return DataLoader(self.data, batch_size=64, shuffle=True)
+        L.Trainer(accelerator=ACCEL).fit(M())
+    """
+    assert (6, "ragged-batch", "info") in graded(src.replace("ACCEL", '"gpu"'))
+    assert (6, "ragged-batch", "warning") in graded(src.replace("ACCEL", '"tpu"'))
+
+
 def test_manual_lr_scaling_forms():
     src = """
         import torch

@@ -11,13 +11,14 @@ Severities are promises:
 - ``info``: everything else, including what the check could not tell. Infos never change the
   exit code; the porting notes (codes ``port:*``) are infos too.
 
-What a name holds is read from the code, never guessed from the name: the assignment that
-reaches the use in its scope (``para_loader = pl.ParallelLoader(...)``), or, for a function
-parameter, the arguments at every call site of that function in the file. Import aliases are
-resolved the same way (``import torch_xla.core.xla_model as xm`` makes ``xm.get_ordinal`` the
-removed ``torch_xla.core.xla_model.get_ordinal``). When the code does not say (a parameter of a
-function called from another file, a value read from the command line), the check says nothing
-or writes an info that names what it could not tell.
+What a name holds is read from the code: the assignment that reaches the use in its scope
+(``para_loader = pl.ParallelLoader(...)``), or, for a function parameter, the arguments at every
+call site of that function in the file. Import aliases are resolved the same way (``import
+torch_xla.core.xla_model as xm`` makes ``xm.get_ordinal`` the removed
+``torch_xla.core.xla_model.get_ordinal``). When the code does not say (a parameter of a function
+called from another file, a value read from the command line), the check says nothing or writes
+an info that names what it could not tell; what a name merely suggests (``train_loader``,
+``num_cores``) only ever picks between infos.
 
 Which calls are removed and which only deprecated was read from torch_xla 2.9.0 itself
 (``core/xla_model.py``: ``xrt_world_size`` and ``get_ordinal`` are gone, ``xla_device`` and
@@ -662,6 +663,16 @@ class _Checker:
     @property
     def uses_lightning(self) -> bool:
         return any(t.split(".")[0] in ("pytorch_lightning", "lightning") for t in self._imported)
+
+    @property
+    def lightning_on_tpu(self) -> bool:
+        """A Lightning Trainer the code points at TPUs (accelerator='tpu', or the old tpu_cores)."""
+        for call in (n for n in ast.walk(self.tree) if isinstance(n, ast.Call)):
+            name = self.call_name(call)
+            if name.endswith("Trainer") and name.split(".")[0] in ("pytorch_lightning", "lightning"):
+                if _kw(call, "tpu_cores") is not None or self.static_values(_kw(call, "accelerator")) == {"tpu"}:
+                    return True
+        return False
 
     # ------------------------------------------------------------------ names: scopes and bindings
 
@@ -1896,15 +1907,19 @@ class _Checker:
                 self.check_dataloader(call, call in train, call in other)
 
     def check_dataloader(self, call: ast.Call, feeds_training: bool, feeds_other: bool) -> None:
-        if _kw(call, "batch_sampler") is not None:
+        if _arg(call, 4, "batch_sampler") is not None:
             return
+        # DataLoader(dataset, batch_size=1, shuffle, sampler, batch_sampler, num_workers,
+        # collate_fn, pin_memory, drop_last=False, ...): **kwargs may carry either
+        opaque = any(k.arg is None for k in call.keywords) or any(isinstance(a, ast.Starred) for a in call.args)
         size_node = _arg(call, 1, "batch_size")
-        sizes = self.static_values(size_node) if size_node is not None else {1}  # DataLoader's default
+        default_size = None if opaque else {1}
+        sizes = self.static_values(size_node) if size_node is not None else default_size
         if sizes == {None}:
             return  # batch_size=None: the dataset yields whole batches itself
-        drop_last = _kw(call, "drop_last")
-        drops = self.static_values(drop_last) if drop_last is not None else {False}
-        xla = self.uses_xla or self.uses_lightning
+        drop_last = _arg(call, 8, "drop_last")
+        drops = self.static_values(drop_last) if drop_last is not None else (None if opaque else {False})
+        xla = self.uses_xla or self.lightning_on_tpu
         role = self.loader_role(call)
         ragged = (
             "the last batch of each epoch is smaller, and on XLA a new batch shape compiles its own "
@@ -1921,8 +1936,8 @@ class _Checker:
                     call,
                     "ragged-batch",
                     "info",
-                    f"training DataLoader with drop_last={ast.unparse(drop_last or call)}, which the "
-                    f"check cannot read: if it is false, {ragged}",
+                    f"training DataLoader with drop_last={ast.unparse(drop_last) if drop_last else '<in **kwargs>'}, "
+                    f"which the check cannot read: if it is false, {ragged}",
                     ragged_fix,
                 )
             elif feeds_training:
