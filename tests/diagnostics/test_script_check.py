@@ -206,8 +206,11 @@ def test_star_import_resolves_known_names():
 
 
 def test_removed_modules():
-    src = "import torch_xla.distributed.xla_dist as xd\nfrom torch_xla.experimental import pjrt\n"
-    assert graded(src) == {(1, "removed-api", "error"), (2, "removed-api", "error")}
+    src = (
+        "import torch_xla.distributed.xla_dist as xd\nfrom torch_xla.experimental import pjrt\n"
+        "import torch_xla_py.xla_model as xm\n"
+    )
+    assert graded(src) == {(1, "removed-api", "error"), (2, "removed-api", "error"), (3, "removed-api", "error")}
 
 
 def test_a_removed_api_behind_a_guard_is_a_note():

@@ -146,6 +146,13 @@ _APIS: dict[str, _Api] = {
 }
 
 _REMOVED_MODULES = {
+    "torch_xla_py": _Api(
+        "removed-api",
+        "error",
+        "torch_xla_py is not part of torch_xla 2.9 (its modules live under torch_xla now): "
+        "ModuleNotFoundError",
+        "import torch_xla.core.xla_model as xm (and torch_xla.distributed.parallel_loader as pl)",
+    ),
     "torch_xla.distributed.xla_dist": _Api(
         "removed-api",
         "error",
