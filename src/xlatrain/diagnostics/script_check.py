@@ -1929,9 +1929,9 @@ class _Checker:
         xla = self.uses_xla or self.lightning_on_tpu
         role = self.loader_role(call)
         ragged = (
-            "the last batch of each epoch is smaller, and on XLA a new batch shape compiles its own "
-            "graphs (forward, backward, optimizer step) - compile time and device memory spent on "
-            "one batch"
+            "unless the dataset size is a multiple of the batch size, the last batch of each epoch "
+            "is smaller, and on XLA a new batch shape compiles its own graphs (forward, backward, "
+            "optimizer step) - compile time and device memory spent on one batch"
         )
         ragged_fix = (
             "DataLoader(..., drop_last=True) (a DistributedSampler's drop_last only evens out "
