@@ -38,6 +38,8 @@ from xlatrain.data.sampling import EvalSampler
 from xlatrain.data.source import train_steps_per_epoch
 from xlatrain.logs import get_logger
 
+log = get_logger(__name__)
+
 MANIFEST_NAME = "manifest.json"
 FORMAT_NAME = "xlatrain-shards"
 FORMAT_VERSION = 1
