@@ -24,6 +24,7 @@ _EXPORTS = {
     "TrainConfig": "xlatrain.config",
     "DiagnosticsError": "xlatrain.diagnostics.run",
     "NonFiniteLossError": "xlatrain.train.trainer",
+    "RunShape": "xlatrain.train.trainer",
     "Trainer": "xlatrain.train.trainer",
 }
 
@@ -50,4 +51,4 @@ if TYPE_CHECKING:
     from xlatrain.checkpoint import load_weights, save_weights
     from xlatrain.config import BackendConfig, CheckpointConfig, TrainConfig
     from xlatrain.diagnostics.run import DiagnosticsError
-    from xlatrain.train.trainer import NonFiniteLossError, Trainer
+    from xlatrain.train.trainer import NonFiniteLossError, RunShape, Trainer

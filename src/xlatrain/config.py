@@ -93,6 +93,9 @@ class TrainConfig:
         monitor_mode: ``max`` or ``min``; may be left out only for a name ending in ``_loss``
             (min), ``_accuracy`` or ``_auc`` (max).
         scheduler_interval: step the scheduler every ``epoch`` or every optimizer ``step``.
+        early_stop_patience: stop when the monitored value has not improved for this many
+            epochs (``None``: train every epoch). A resumed run keeps counting from its best epoch.
+        save_best: write ``best.safetensors`` whenever the monitored value improves.
         nan_policy: what a NaN/Inf loss or gradient norm does, found at the next log interval or
             checkpoint (no per-step read): ``stop`` (raise, naming the step range; the last good
             checkpoint stays latest), ``skip_step`` (such steps leave weights and optimizer state
@@ -118,6 +121,8 @@ class TrainConfig:
     monitor: str | None = None
     monitor_mode: str | None = None
     scheduler_interval: str = "epoch"
+    early_stop_patience: int | None = None
+    save_best: bool = True
     nan_policy: str = "stop"
     diagnostics: bool = True
     strict: bool = False
@@ -149,6 +154,8 @@ class TrainConfig:
                 f"{', '.join('_' + w for w in MONITOR_DIRECTIONS)} have a known direction"
             )
         _choice("scheduler_interval", self.scheduler_interval, SCHEDULER_INTERVALS)
+        if self.early_stop_patience is not None:
+            _positive_int("early_stop_patience", self.early_stop_patience)
         _choice("nan_policy", self.nan_policy, NAN_POLICIES)
         if not self.run_dir:
             raise ValueError("run_dir is empty: give a directory for history and weights")

@@ -19,7 +19,7 @@ from xlatrain.recipes.depth_mask import (
     dice_iou,
     rmse,
 )
-from xlatrain.train.metrics import per_sample_loss
+from xlatrain.train.losses import EvalLoss
 
 
 # --- data ---------------------------------------------------------------------------------------
@@ -80,8 +80,8 @@ def test_loss_smooth_l1_and_trainer_evaluation_wrapper():
     # |error| >= beta: smooth L1 = |error| - beta / 2
     torch.testing.assert_close(smooth(outputs, targets), torch.tensor([0.5 - 0.05, 1.0 - 0.05]))
     # The Trainer's evaluation switches a copy to reduction="none" and expects [B].
-    per_sample = per_sample_loss(DepthMaskLoss())(outputs, targets)
-    assert per_sample.shape == (2,)
+    chosen = EvalLoss.choose(DepthMaskLoss(), outputs, targets)
+    assert chosen.mode == "per_sample" and chosen.rows(outputs, targets)["loss"].shape == (2,)
 
 
 def test_loss_errors_name_the_fix():
@@ -151,7 +151,7 @@ def test_tiny_resnet_unet_validates_with_host_metrics(tmp_path):
         DepthMaskLoss(),
         functools.partial(torch.optim.Adam, lr=3e-3),
         config=xlatrain.TrainConfig(
-            task="none", epochs=2, batch_size=16, log_every=100, monitor="val_depth_rmse", run_dir=str(tmp_path / "run")
+            task="none", epochs=2, batch_size=16, log_every=100, monitor="val_depth_rmse", monitor_mode="min", run_dir=str(tmp_path / "run")
         ),
         checkpoint=xlatrain.CheckpointConfig(enabled=False),
         backend="cpu",

@@ -164,13 +164,16 @@ def _tiny_data():
 
 
 class NanAtStep:
-    """Cross-entropy that returns NaN on the given (1-based) call: a fault at a known step."""
+    """Cross-entropy that returns NaN on the given (1-based) training step: a fault at a known step.
+
+    Calls without gradients (the Trainer's dry run, evaluation) are not steps and do not count.
+    """
 
     def __init__(self, step):
         self.step, self.calls = step, 0
 
     def __call__(self, outputs, targets, reduction="mean"):
-        self.calls += 1
+        self.calls += torch.is_grad_enabled()
         loss = nn.functional.cross_entropy(outputs, targets, reduction=reduction)
         return loss * float("nan") if self.calls == self.step else loss
 

@@ -6,19 +6,17 @@ every sum, so each real sample counts exactly once whatever the batch and device
 
 from __future__ import annotations
 
-import copy
-import functools
-import inspect
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from xlatrain.backend.base import Backend
 from xlatrain.data.sampling import EvalSampler
+from xlatrain.train.batch import tree_flatten, tree_map, tree_unflatten
+from xlatrain.train.losses import EvalLoss
 
 
 def infer_task(loss_fn: Any) -> str:
@@ -37,38 +35,6 @@ def default_monitor(task: str) -> tuple[str, str]:
         "classification": ("val_accuracy", "max"),
         "multilabel": ("val_mean_auc", "max"),
     }.get(task, ("val_loss", "min"))
-
-
-def per_sample_loss(loss_fn: Any) -> Callable[[Any, Any], torch.Tensor]:
-    """A version of ``loss_fn`` that returns one loss per sample (shape ``[batch]``).
-
-    Needed to mask padded evaluation rows. Works for torch.nn loss modules (their ``reduction``
-    is switched to ``'none'`` on a copy) and for functions taking a ``reduction`` keyword.
-    """
-    if isinstance(loss_fn, torch.nn.Module) and hasattr(loss_fn, "reduction"):
-        unreduced = copy.copy(loss_fn)
-        unreduced.reduction = "none"
-        fn: Callable[[Any, Any], torch.Tensor] = unreduced
-    else:
-        try:
-            params = inspect.signature(loss_fn).parameters
-        except (TypeError, ValueError):
-            params = {}
-        if "reduction" not in params:
-            raise ValueError(
-                f"cannot evaluate with loss_fn={loss_fn!r}: evaluation masks padded rows and needs a "
-                "loss per sample. Pass a torch.nn loss module (e.g. nn.CrossEntropyLoss()) or a "
-                "function that accepts reduction='none'."
-            )
-        fn = functools.partial(loss_fn, reduction="none")
-
-    def per_sample(outputs: Any, targets: Any) -> torch.Tensor:
-        losses = fn(outputs, targets)
-        if losses.dim() == 0:
-            raise ValueError("loss_fn with reduction='none' returned a scalar: it must keep the batch dimension")
-        return losses.float().reshape(losses.shape[0], -1).mean(dim=1)
-
-    return per_sample
 
 
 class RowCollector:
@@ -115,21 +81,26 @@ def as_float(tree: Any) -> Any:
 class EvalAccumulator:
     """Running sums for one evaluation pass, kept on the device.
 
-    Loss (and accuracy for classification) are summed per batch. Outputs and targets are kept
-    on the device only when a host metric needs every row (multilabel AUC, ``metrics_fn``).
+    In per-sample mode the loss and each of its terms are summed per batch over real rows (and
+    accuracy for classification). Outputs and targets go to the host only when something needs
+    every row: a whole-set loss, multilabel AUC, ``metrics_fn``.
     """
 
-    def __init__(self, task: str, device: torch.device, rows: RowCollector | None) -> None:
+    def __init__(self, task: str, device: torch.device, loss: EvalLoss, rows: RowCollector | None) -> None:
         self.task = task
-        self.loss_sum = torch.zeros((), device=device)
+        self.loss = loss
+        self.sums: dict[str, torch.Tensor] = {}
         self.count = torch.zeros((), device=device)
         self.correct = torch.zeros((), device=device)
         self.rows = rows
 
-    def update(self, losses_B: torch.Tensor, outputs: Any, targets: Any, valid_B: torch.Tensor) -> None:
-        mask_B = valid_B.to(losses_B.dtype)
-        self.loss_sum = self.loss_sum + (losses_B * mask_B).sum()
+    def update(self, outputs: Any, targets: Any, valid_B: torch.Tensor) -> None:
+        mask_B = valid_B.float()
         self.count = self.count + mask_B.sum()
+        if self.loss.per_sample is not None:
+            for name, values_B in self.loss.rows(outputs, targets).items():
+                masked = (values_B * mask_B).sum()
+                self.sums[name] = self.sums[name] + masked if name in self.sums else masked
         if self.task == "classification":
             hit_B = (outputs.argmax(dim=1) == targets) & valid_B
             self.correct = self.correct + hit_B.sum().to(self.correct.dtype)
@@ -143,13 +114,18 @@ class EvalAccumulator:
         metrics_fn: Callable[[Any, Any], dict[str, float]] | None = None,
     ) -> dict[str, float]:
         """Reduce over processes, read once, and return host floats."""
-        (sums,) = backend.read([backend.all_reduce_sum(torch.stack([self.loss_sum, self.count, self.correct]))])
-        loss_sum, count, correct = sums.double().tolist()
-        out: dict[str, float] = {"loss": loss_sum / count, "num_samples": int(count)}
+        names = list(self.sums)
+        stacked = torch.stack([self.sums[n] for n in names] + [self.count, self.correct])
+        (sums,) = backend.read([backend.all_reduce_sum(stacked)])
+        *term_sums, count, correct = sums.double().tolist()
+        out: dict[str, float] = {name: value / count for name, value in zip(names, term_sums)}
+        out["num_samples"] = int(count)
         if self.task == "classification":
             out["accuracy"] = correct / count
         if self.rows is not None:
             outputs, targets = self.rows.result()
+            if self.loss.per_sample is None:
+                out.update(self.loss.whole_set(outputs, targets))
             if self.task == "multilabel":
                 probs = torch.sigmoid(outputs)
                 out.update(multilabel_auc(probs.numpy(), targets.numpy(), label_names))

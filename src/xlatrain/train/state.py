@@ -166,6 +166,8 @@ RESUME_RULES: dict[str, str] = {
     "trainer.monitor": "error",
     "trainer.monitor_mode": "error",
     "trainer.scheduler_interval": "error",
+    "trainer.early_stop_patience": "continue",
+    "trainer.save_best": "continue",
     "trainer.nan_policy": "continue",
     "trainer.diagnostics": "continue",
     "trainer.strict": "continue",

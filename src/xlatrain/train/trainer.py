@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from xlatrain.backend import Backend, from_config, select_backend
+from xlatrain.backend.base import host_rng_state, set_host_rng_state
 from xlatrain.checkpoint import (
     find_resumable,
     list_checkpoints,
@@ -38,7 +39,9 @@ from xlatrain.data.source import BatchSource, train_steps_per_epoch
 from xlatrain.diagnostics.run import RunDiagnostics
 from xlatrain.logs import ensure_console, get_logger
 from xlatrain.report import write_history
-from xlatrain.train.metrics import EvalAccumulator, RowCollector, as_float, default_monitor, infer_task, per_sample_loss
+from xlatrain.train.batch import BatchLayout, collate, tree_map
+from xlatrain.train.losses import EvalLoss, loss_terms
+from xlatrain.train.metrics import EvalAccumulator, RowCollector, as_float, default_monitor, infer_task
 from xlatrain.train.state import Cursor, resume_changes
 from xlatrain.train.state import pack as pack_state
 from xlatrain.train.state import unpack
@@ -46,30 +49,24 @@ from xlatrain.train.state import unpack
 log = get_logger(__name__)
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
-SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
+SchedulerFactory = Callable[..., Any]
 
 
 class NonFiniteLossError(FloatingPointError):
     """The loss or gradient norm became NaN/Inf under ``nan_policy="stop"``."""
 
 
-def _split(batch: Any) -> tuple[Any, Any]:
-    if isinstance(batch, (list, tuple)) and len(batch) == 2:
-        return batch[0], batch[1]
-    raise ValueError(
-        "each dataset item must be an (inputs, targets) pair; got a batch of type "
-        f"{type(batch).__name__}. Wrap the dataset so __getitem__ returns (inputs, targets)."
-    )
+@dataclasses.dataclass(frozen=True)
+class RunShape:
+    """The length of a run in optimizer steps, after gradient accumulation and devices.
 
+    A ``scheduler_fn`` taking two arguments receives it:
+    ``scheduler_fn=lambda opt, run: OneCycleLR(opt, max_lr=0.1, total_steps=run.total_steps)``.
+    """
 
-def _check_scalar(loss: Any) -> None:
-    # Shape is known on the host without reading the value: no device sync.
-    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise ValueError(
-            f"loss_fn must return a scalar tensor, got {shape}: reduce it inside loss_fn "
-            "(reduction='mean', or .mean() over the batch)"
-        )
+    total_steps: int  # optimizer steps over all epochs
+    steps_per_epoch: int  # optimizer steps per epoch
+    epochs: int
 
 
 class Trainer:
@@ -112,9 +109,21 @@ class Trainer:
         label_names: Sequence[str] | None = None,
         metrics_fn: Callable[[Any, Any], dict[str, float]] | None = None,
         run_config: dict[str, Any] | None = None,
+        accelerator: str | None = None,
+        devices: int | None = None,
+        inputs: str | Sequence[str] | None = None,
+        targets: str | Sequence[str] | None = None,
     ) -> None:
         self.config = cfg = config or TrainConfig()
         self.checkpoint = checkpoint or CheckpointConfig()
+        self.layout = BatchLayout(inputs, targets)
+        if accelerator is not None or devices is not None:
+            if not (isinstance(backend, str) and backend == "auto"):
+                raise ValueError(
+                    f"backend={backend!r} and accelerator=/devices= both say where to run: give one, e.g. "
+                    "Trainer(..., accelerator='xla', devices=4) or Trainer(..., backend=BackendConfig(accelerator='xla', devices=4))"
+                )
+            backend = BackendConfig(accelerator=accelerator or "auto", devices=devices)
         if isinstance(backend, str):
             backend = select_backend(backend)
         elif isinstance(backend, BackendConfig):
@@ -139,10 +148,13 @@ class Trainer:
                 f"learning rate scaled x{be.world_size} by device count (scale_lr=True): "
                 f"{before[0]:g} -> {self.optimizer.param_groups[0]['lr']:g}"
             )
-        # Built after any scaling, so the schedule starts from the scaled rate.
-        self.scheduler = scheduler_fn(self.optimizer) if scheduler_fn is not None else None
+        # Built after any scaling, so the schedule starts from the scaled rate; one that needs the
+        # run's length is built by fit, once the training data is known.
+        self._scheduler_fn = scheduler_fn
+        self._scheduler_wants_run = scheduler_fn is not None and _required_positional(scheduler_fn) >= 2
+        self.scheduler = scheduler_fn(self.optimizer) if scheduler_fn is not None and not self._scheduler_wants_run else None
         self.history: list[dict[str, Any]] = []
-        self._eval_loss: Callable[[Any, Any], torch.Tensor] | None = None
+        self._eval_loss: EvalLoss | None = None
         self._run_dir = Path(cfg.run_dir)
         self._nonfinite: tuple[int, int, int, int] | None = None  # set by a deferred read
         self._config_record: dict[str, Any] = {}
@@ -182,6 +194,11 @@ class Trainer:
             "checkpoint": dataclasses.asdict(self.checkpoint),
             "run": {"global_batch": self.global_batch_size * cfg.grad_accum_steps, "num_train_samples": len(train_data)},
         }
+        self._dry_run(train_data, val_data)
+        if self._scheduler_wants_run and self.scheduler is None:
+            per_epoch = feed.steps_per_epoch // cfg.grad_accum_steps
+            shape = RunShape(total_steps=per_epoch * cfg.epochs, steps_per_epoch=per_epoch, epochs=cfg.epochs)
+            self.scheduler = self._scheduler_fn(self.optimizer, shape)
         cursor, sums = self._resume(resume)
         self.history = cursor.history
         self._diag = (
@@ -195,7 +212,13 @@ class Trainer:
             + f" | precision {cfg.precision} | run dir {self.run_dir}"
         )
         first_epoch, start_step = cursor.next_position()
-        if first_epoch > cfg.epochs:
+        if self._patience_spent(cursor):
+            self._say(
+                f"this run stopped early after epoch {cursor.epoch} ({self.monitor} last improved in epoch "
+                f"{cursor.best_epoch}, early_stop_patience={cfg.early_stop_patience}): nothing to train"
+            )
+            first_epoch = cfg.epochs + 1
+        elif first_epoch > cfg.epochs:
             self._say(
                 f"all {cfg.epochs} epoch(s) of this run are done: nothing to train. Raise epochs to train "
                 "on, or start over (resume=False; --fresh on the command line)."
@@ -205,8 +228,7 @@ class Trainer:
                 started = time.perf_counter()
                 cursor.epoch, cursor.step, cursor.epoch_done = epoch, start_step, False
                 lr = self.optimizer.param_groups[0]["lr"]
-                train_loss = self._train_epoch(feed, cursor, sums, stop)
-                row: dict[str, Any] = {"epoch": epoch, "lr": lr, "train_loss": train_loss}
+                row: dict[str, Any] = {"epoch": epoch, "lr": lr, **self._train_epoch(feed, cursor, sums, stop)}
                 if val_data is not None:
                     metrics = self.evaluate(val_data)
                     row.update({f"val_{k}": v for k, v in metrics.items() if k != "num_samples"})
@@ -225,6 +247,12 @@ class Trainer:
                 if self.checkpoint.enabled and self.checkpoint.at_epoch_end:
                     self._save_checkpoint(cursor, sums)
                 self._say(_epoch_line(row, cfg.epochs, self.monitor, improved))
+                if self._patience_spent(cursor):
+                    self._say(
+                        f"early stop: {self.monitor} has not improved for {cfg.early_stop_patience} epoch(s) "
+                        f"(best {cursor.best:.4f} in epoch {cursor.best_epoch})"
+                    )
+                    break
         if self._diag is not None:
             self._diag.finish(self.run_dir, be.is_main)
         be.barrier()
@@ -234,28 +262,30 @@ class Trainer:
         """Loss and task metrics over ``data``, every sample counted exactly once."""
         be = self.backend
         if self._eval_loss is None:
-            self._eval_loss = per_sample_loss(self.loss_fn)
+            self._dry_run(None, data)
+        assert self._eval_loss is not None
         batches, layout = self._eval_batches(data)
         if self._diag is not None:
             batches = self._diag.timed(batches, "eval", 0)
-        keep_rows = self.metrics_fn is not None or self.task == "multilabel"
-        acc = EvalAccumulator(self.task, be.device, RowCollector(be, layout) if keep_rows else None)
+        keep_rows = self.metrics_fn is not None or self.task == "multilabel" or self._eval_loss.per_sample is None
+        acc = EvalAccumulator(self.task, be.device, self._eval_loss, RowCollector(be, layout) if keep_rows else None)
         self.model.eval()
         with torch.no_grad():
             for batch, valid_B in batches:
-                inputs, targets = _split(batch)
+                args, targets = self.layout.split(batch)
                 with be.autocast(self.config.precision):
-                    outputs = self.model(inputs)
+                    outputs = self.model(*args)
                 outputs = as_float(outputs)
-                acc.update(self._eval_loss(outputs, targets), outputs, targets, valid_B)
+                acc.update(outputs, targets, valid_B)
                 be.step_end()
         return acc.compute(be, self.label_names, self.metrics_fn)
 
     def predict(self, data: Any) -> Any:
         """Model outputs for every item of ``data``, in dataset order, on the host.
 
-        Items may be ``(inputs, targets)`` pairs (targets are ignored) or bare inputs. Models
-        returning several tensors (a tuple or dict) get the same structure back, each stacked.
+        Items may be ``(inputs, targets)`` pairs (targets are ignored), bare inputs, or mappings /
+        dataclasses read through the Trainer's ``inputs=`` keys. Models returning several tensors
+        (a tuple or dict) get the same structure back, each stacked.
         """
         be = self.backend
         batches, layout = self._eval_batches(data)
@@ -263,15 +293,57 @@ class Trainer:
         self.model.eval()
         with torch.no_grad():
             for item, _valid in batches:
-                inputs = item[0] if isinstance(item, (list, tuple)) else item
                 with be.autocast(self.config.precision):
-                    rows.add(as_float(self.model(inputs)))
+                    rows.add(as_float(self.model(*self.layout.model_args(item))))
                 be.step_end()
         return rows.result()
 
+    def _dry_run(self, train_data: Any | None, val_data: Any | None) -> None:
+        """Run the model and loss on one batch before any training, so a batch layout, a loss or a
+        task metric that cannot work fails now, with its cause, and not after an epoch.
+
+        The model runs in eval mode without gradients and host random state is put back, so the
+        run's numbers are what they would be without it. On XLA nothing executes: the shapes are
+        traced only and the traced graph is dropped.
+        """
+        be, model = self.backend, self.model
+        was_training = model.training
+        host_rng = host_rng_state()
+        role, batch = "training", None
+        try:
+            model.eval()
+            with torch.no_grad():
+                for role, data in (("training", train_data), ("validation", val_data)):
+                    if data is None:
+                        continue
+                    batch = tree_map(lambda t: t.to(be.device) if isinstance(t, torch.Tensor) else t, _first_batch(data))
+                    args, targets = self.layout.split(batch)
+                    with be.autocast(self.config.precision):
+                        outputs = model(*args)
+                        loss_terms(self.loss_fn(outputs, targets))
+                    if role == "validation" or self._eval_loss is None:
+                        self._eval_loss = EvalLoss.choose(self.loss_fn, as_float(outputs), targets)
+                    if role == "validation":
+                        _check_task(self.task, outputs, targets)
+        except ValueError as exc:
+            raise ValueError(f"a dry run on one {role} batch, before training: {exc}") from None
+        except Exception as exc:  # the user's model or loss failed: keep its own error, say where
+            if hasattr(exc, "add_note"):
+                exc.add_note(
+                    f"xlatrain: raised in a dry run on one {role} batch, before training: loss_fn "
+                    f"{self.loss_fn!r}, model {type(be.unwrap(model)).__name__}, batch {_shapes(batch)}"
+                )
+            raise
+        finally:
+            set_host_rng_state(host_rng)
+            model.train(was_training)
+
     # ----------------------------------------------------------------------------------------
-    def _train_epoch(self, feed: _TrainFeed, cursor: Cursor, sums: dict[str, torch.Tensor], stop: _StopSignals) -> float:
-        """Train ``cursor.epoch`` from ``cursor.step``; ``sums`` hold the epoch's loss so far."""
+    def _train_epoch(
+        self, feed: _TrainFeed, cursor: Cursor, sums: dict[str, torch.Tensor], stop: _StopSignals
+    ) -> dict[str, float]:
+        """Train ``cursor.epoch`` from ``cursor.step``; ``sums`` hold the epoch's loss (and terms)
+        so far. Returns the epoch's mean loss and terms as history columns (``train_...``)."""
         cfg, be, model, opt = self.config, self.backend, self.model, self.optimizer
         accum, num_steps = cfg.grad_accum_steps, feed.steps_per_epoch
         guard = cfg.nan_policy == "skip_step"
@@ -283,14 +355,13 @@ class Trainer:
         if self._diag is not None:
             batches = self._diag.timed(batches, "train", cursor.epoch)
         for step, batch in enumerate(batches, start=cursor.step + 1):
-            inputs, targets = _split(batch)
+            args, targets = self.layout.split(batch)
             last_micro = step % accum == 0
             be.step_begin(((cfg.seed * 1_000_003 + cursor.epoch) * 1_000_003 + step) % 2**62)
             with contextlib.nullcontext() if last_micro else be.no_sync(model):
                 with be.autocast(cfg.precision):
-                    outputs = model(inputs)
-                    loss = self.loss_fn(outputs, targets)
-                _check_scalar(loss)
+                    outputs = model(*args)
+                    loss, terms = loss_terms(self.loss_fn(outputs, targets))  # shapes only: no sync
                 (loss / accum if accum > 1 else loss).backward()
             loss = loss.detach().float()
             finite = torch.isfinite(loss)
@@ -309,6 +380,11 @@ class Trainer:
                 cursor.global_step += 1
             sums["loss"] = sums["loss"] + (torch.where(finite, loss, 0.0) if guard else loss)
             sums["nonfinite"] = sums["nonfinite"] + (~finite).float()
+            for name, term in terms.items():
+                term = term.detach().float()
+                term = torch.where(finite, term, 0.0) if guard else term
+                key = f"term.{name}"
+                sums[key] = sums[key] + term if key in sums else term
             be.step_end()
             cursor.step = step
             if step % cfg.log_every == 0 and step < num_steps:
@@ -323,10 +399,11 @@ class Trainer:
                 self._preempt(cursor, sums, stop)
             if every is not None and cursor.global_step % every == 0 and step < num_steps:
                 self._save_checkpoint(cursor, sums)
-        loss_sum, bad = be.read([be.all_reduce_mean(sums["loss"]), sums["nonfinite"]])
+        names = [k for k in sums if k != "nonfinite"]
+        *totals, bad = be.read([*(be.all_reduce_mean(sums[k]) for k in names), sums["nonfinite"]])
         self._check_nonfinite(float(bad), cursor.epoch, 1, num_steps)
-        good_steps = num_steps - float(bad) if guard else num_steps
-        return float(loss_sum) / max(good_steps, 1)
+        good_steps = max(num_steps - float(bad) if guard else num_steps, 1)
+        return {"train_" + name.removeprefix("term."): float(total) / good_steps for name, total in zip(names, totals)}
 
     # --- checkpoints, resume, preemption, numerical faults ------------------------------------
     def _new_sums(self) -> dict[str, torch.Tensor]:
@@ -454,6 +531,11 @@ class Trainer:
             "inputs, or set nan_policy='skip_step'."
         )
 
+    def _patience_spent(self, cursor: Cursor) -> bool:
+        """Early stopping: the monitored value has not improved for ``early_stop_patience`` epochs."""
+        patience = self.config.early_stop_patience
+        return patience is not None and cursor.epoch_done and cursor.epoch - (cursor.best_epoch or 0) >= patience
+
     def _track_best(self, row: dict[str, Any], cursor: Cursor) -> bool:
         monitor = self.monitor
         if monitor not in row:
@@ -464,7 +546,7 @@ class Trainer:
         )
         if improved:
             cursor.best, cursor.best_epoch = value, row["epoch"]
-            if self.backend.is_main:
+            if self.backend.is_main and self.config.save_best:
                 save_weights(self.backend.unwrap(self.model), self.run_dir / "best.safetensors", read=self.backend.read)
         return improved
 
@@ -482,6 +564,7 @@ class Trainer:
             dataset,
             batch_size=sampler.loader_batch,
             sampler=sampler,
+            collate_fn=collate,
             num_workers=cfg.num_workers,
             persistent_workers=cfg.num_workers > 0,
             pin_memory=self.backend.name == "cuda",
@@ -501,6 +584,57 @@ class Trainer:
     def _say(self, message: str) -> None:
         if self.backend.is_main:
             log.info(message)
+
+
+def _required_positional(fn: Callable[..., Any]) -> int:
+    """Positional parameters of ``fn`` that have no default (``functools.partial`` applied)."""
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return 1
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return sum(1 for p in params if p.kind in kinds and p.default is inspect.Parameter.empty)
+
+
+def _first_batch(data: Any, rows: int = 2) -> Any:
+    """A small batch of ``data`` for the dry run, collated as the loaders collate."""
+    if isinstance(data, BatchSource):
+        batch, _valid = next(iter(data.eval_batches(loader_batch=rows, num_processes=1, process_index=0)))
+        return batch
+    return collate([data[i] for i in range(min(rows, len(data)))])
+
+
+def _shapes(batch: Any) -> str:
+    leaves = tree_map(lambda t: tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__, batch)
+    return str(leaves)
+
+
+def _check_task(task: str, outputs: Any, targets: Any) -> None:
+    """The task's metrics can be computed from these outputs and targets (shapes and dtypes only)."""
+    def shape(x: Any) -> Any:
+        return tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+
+    fix = "set TrainConfig(task='none') to report the loss (and metrics_fn's metrics) only"
+    if task == "classification":
+        ok = (
+            isinstance(outputs, torch.Tensor) and isinstance(targets, torch.Tensor) and outputs.dim() == 2
+            and targets.dim() == 1 and not targets.is_floating_point() and targets.shape[0] == outputs.shape[0]
+        )
+        if not ok:
+            raise ValueError(
+                "task='classification' reports accuracy from [batch, classes] logits and [batch] class indices, "
+                f"but the model returned {shape(outputs)} and the targets are {shape(targets)}: {fix}"
+            )
+    elif task == "multilabel":
+        ok = isinstance(outputs, torch.Tensor) and isinstance(targets, torch.Tensor) and outputs.dim() == 2 \
+            and outputs.shape == targets.shape
+        if not ok:
+            raise ValueError(
+                "task='multilabel' reports per-label AUC from [batch, labels] logits and targets of the same shape, "
+                f"but the model returned {shape(outputs)} and the targets are {shape(targets)}: {fix}"
+            )
 
 
 def _epoch_line(row: dict[str, Any], epochs: int, monitor: str, improved: bool) -> str:

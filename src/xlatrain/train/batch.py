@@ -1,0 +1,210 @@
+"""Batches of any structure, and where the Trainer finds a model's inputs and the loss targets.
+
+Dataset items may be ``(inputs, targets)`` pairs, dicts, or nested tuples / lists / dicts /
+dataclasses of tensors. They are batched, moved to the device, sharded and padded as trees: the
+functions here flatten a tree to its leaves and rebuild it, without registering anything
+globally (a user's dataclass stays the user's business).
+
+How a batch feeds the model (:class:`BatchLayout`):
+
+- a pair ``(inputs, targets)`` (the default): ``model(inputs)``, ``loss_fn(outputs, targets)``;
+- a mapping or dataclass with ``inputs=`` / ``targets=`` key names given to the Trainer:
+  ``inputs="image"`` calls ``model(batch["image"])``, ``inputs=("image", "meta")`` calls
+  ``model(batch["image"], batch["meta"])``; ``targets="mask"`` passes ``batch["mask"]`` to the
+  loss, ``targets=("mask", "depth")`` the tuple ``(batch["mask"], batch["depth"])``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+Spec = Any  # None for a leaf, else (kind, aux, child specs)
+
+
+def tree_flatten(tree: Any) -> tuple[list[Any], Spec]:
+    """Leaves (tensors and anything not a container) in a fixed order, and the structure."""
+    if isinstance(tree, Mapping):
+        keys = list(tree)
+        parts = [tree_flatten(tree[k]) for k in keys]
+        return [leaf for leaves, _ in parts for leaf in leaves], ("dict", (type(tree), keys), [s for _, s in parts])
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        names = [f.name for f in dataclasses.fields(tree)]
+        parts = [tree_flatten(getattr(tree, n)) for n in names]
+        return [leaf for leaves, _ in parts for leaf in leaves], ("dataclass", (type(tree), names), [s for _, s in parts])
+    if isinstance(tree, (tuple, list)):
+        parts = [tree_flatten(v) for v in tree]
+        return [leaf for leaves, _ in parts for leaf in leaves], ("seq", type(tree), [s for _, s in parts])
+    return [tree], None
+
+
+def _count(spec: Spec) -> int:
+    return 1 if spec is None else sum(_count(s) for s in spec[2])
+
+
+def tree_unflatten(leaves: Sequence[Any], spec: Spec) -> Any:
+    """The inverse of :func:`tree_flatten`."""
+    it = iter(leaves)
+
+    def build(s: Spec) -> Any:
+        if s is None:
+            return next(it)
+        kind, aux, children = s
+        values = [build(c) for c in children]
+        if kind == "dict":
+            cls, keys = aux
+            out = dict(zip(keys, values))
+            return out if cls is dict else _rebuild_mapping(cls, out)
+        if kind == "dataclass":
+            cls, names = aux
+            return cls(**dict(zip(names, values)))
+        cls = aux
+        if cls in (tuple, list):
+            return cls(values)
+        return cls(*values)  # a namedtuple
+
+    return build(spec)
+
+
+def _rebuild_mapping(cls: type, values: dict[str, Any]) -> Any:
+    try:
+        return cls(values)
+    except TypeError:
+        return values  # a mapping type that cannot be built from a dict comes back as a dict
+
+
+def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
+    leaves, spec = tree_flatten(tree)
+    return tree_unflatten([fn(leaf) for leaf in leaves], spec)
+
+
+def collate(items: Sequence[Any]) -> Any:
+    """Stack a list of dataset items into one batch of the same structure.
+
+    Tensors and NumPy arrays are stacked along a new dim 0, numbers become a 1-D tensor, strings
+    stay a list. Every item must have the first item's structure.
+    """
+    specs = [tree_flatten(item) for item in items]
+    first_spec = specs[0][1]
+    for i, (_, spec) in enumerate(specs[1:], start=1):
+        if spec != first_spec:
+            raise ValueError(
+                f"dataset items 0 and {i} differ in structure ({_describe(first_spec)} vs {_describe(spec)}): "
+                "every item must have the same keys, fields and nesting"
+            )
+    columns = zip(*(leaves for leaves, _ in specs))
+    return tree_unflatten([_stack(list(col)) for col in columns], first_spec)
+
+
+def _stack(values: list[Any]) -> Any:
+    first = values[0]
+    if isinstance(first, torch.Tensor):
+        return torch.stack(values)
+    if isinstance(first, np.ndarray):
+        return torch.from_numpy(np.stack(values))
+    if isinstance(first, (bool, int, float, np.number)):
+        return torch.tensor(values)
+    return values
+
+
+def _describe(spec: Spec) -> str:
+    if spec is None:
+        return "a value"
+    kind, aux, children = spec
+    if kind in ("dict", "dataclass"):
+        return f"{aux[0].__name__}({', '.join(aux[1])})"
+    return f"{aux.__name__} of {len(children)}"
+
+
+class BatchLayout:
+    """Where the model's inputs and the loss targets are in a batch.
+
+    Args:
+        inputs: key(s) of the model's inputs in a mapping or dataclass batch; ``None`` for
+            ``(inputs, targets)`` pairs.
+        targets: key(s) of the loss targets; required with ``inputs``.
+    """
+
+    def __init__(self, inputs: str | Sequence[str] | None = None, targets: str | Sequence[str] | None = None) -> None:
+        if (inputs is None) != (targets is None):
+            given, missing = ("inputs", "targets") if targets is None else ("targets", "inputs")
+            raise ValueError(
+                f"{given}= was given without {missing}=: name both, e.g. inputs='image', "
+                "targets=('mask', 'depth'), or neither for (inputs, targets) pairs"
+            )
+        for name, keys in (("inputs", inputs), ("targets", targets)):
+            if keys is not None and not (isinstance(keys, str) or all(isinstance(k, str) for k in keys)):
+                raise ValueError(f"{name}={keys!r} is not valid: give a key name or a tuple of key names")
+        self.inputs = inputs
+        self.targets = targets
+
+    @property
+    def keyed(self) -> bool:
+        return self.inputs is not None
+
+    def split(self, batch: Any) -> tuple[tuple[Any, ...], Any]:
+        """``(model positional args, loss targets)`` of one batch."""
+        if not self.keyed:
+            if isinstance(batch, (list, tuple)) and len(batch) == 2:
+                return (batch[0],), batch[1]
+            raise ValueError(self._pair_error(batch))
+        return self.model_args(batch), self._take(batch, self.targets, "targets")
+
+    def model_args(self, batch: Any) -> tuple[Any, ...]:
+        """The model's positional args from a batch (``predict`` also accepts bare inputs)."""
+        if not self.keyed:
+            return (batch[0],) if isinstance(batch, (list, tuple)) and len(batch) == 2 else (batch,)
+        taken = self._take(batch, self.inputs, "inputs")
+        return taken if isinstance(self.inputs, (list, tuple)) else (taken,)
+
+    def _take(self, batch: Any, keys: str | Sequence[str] | None, role: str) -> Any:
+        fields = _fields(batch)
+        if fields is None:
+            raise ValueError(
+                f"{role}={keys!r} names keys, but a batch is a {type(batch).__name__}, not a mapping or "
+                "dataclass: drop inputs=/targets= for (inputs, targets) pairs"
+            )
+        wanted = [keys] if isinstance(keys, str) else list(keys or ())
+        missing = [k for k in wanted if k not in fields]
+        if missing:
+            raise ValueError(
+                f"{role}={keys!r}: the batch has no key {', '.join(map(repr, missing))}; its keys are "
+                f"{', '.join(map(repr, fields))}"
+            )
+        values = tuple(fields[k] for k in wanted)
+        return values[0] if isinstance(keys, str) else values
+
+    @staticmethod
+    def _pair_error(batch: Any) -> str:
+        fields = _fields(batch)
+        if fields is not None:
+            keys = list(fields)
+            return (
+                f"each batch is a {type(batch).__name__} with keys {', '.join(map(repr, keys))}: tell the Trainer "
+                f"which are the model's inputs and which the loss targets, e.g. Trainer(..., "
+                f"inputs={keys[0]!r}, targets={tuple(keys[1:]) if len(keys) > 2 else (keys[1] if len(keys) > 1 else 'KEY')!r})"
+            )
+        return (
+            "each dataset item must be an (inputs, targets) pair, or a mapping / dataclass with inputs= and "
+            f"targets= key names given to the Trainer; got a batch of type {type(batch).__name__}"
+        )
+
+
+def _fields(batch: Any) -> dict[str, Any] | None:
+    if isinstance(batch, Mapping):
+        return dict(batch)
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
+    return None
+
+
+def num_rows(tree: Any) -> int:
+    """Rows in a batch: dim 0 of its first tensor leaf."""
+    for leaf in tree_flatten(tree)[0]:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return int(leaf.shape[0])
+    raise ValueError("the batch holds no tensor with a batch dimension")

@@ -1,0 +1,128 @@
+"""Losses as users write them: a scalar, or named terms plus a total; per sample or per batch.
+
+``loss_fn(outputs, targets)`` may return
+
+- a scalar tensor: the loss;
+- a mapping ``{"loss": total, "mask": term, "depth": term, ...}``: the total is what is
+  minimised; every term is summed on the device and logged under its name
+  (``train_mask``, ``val_mask``, ...).
+
+Evaluation counts every validation sample once, so padded rows of the last batch must not
+count. It uses one of two forms, chosen by a dry run on one batch before training starts:
+
+- per sample: an ``nn`` loss module with a ``reduction`` attribute, or a function taking
+  ``reduction=``, called with ``reduction="none"`` returns one value per sample (a ``[B]``
+  tensor, or a mapping of them). Padded rows are masked out of on-device sums, so the validation
+  loss is the mean over samples;
+- whole set: any other loss (a Dice or an RMSE over the batch, say). The outputs and targets of
+  every real validation row are gathered to the host in dataset order (padding dropped) and the
+  loss is computed once over all of them, in float32 on the CPU: exactly ``loss_fn`` over the
+  whole validation set in one pass, as the user defined it.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+LossFn = Callable[[Any, Any], Any]
+
+
+def loss_terms(result: Any, *, per_sample: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``(total, {name: term})`` of what ``loss_fn`` returned; a clear error for anything else.
+
+    With ``per_sample`` each value has one entry per row (``[B]``); otherwise each is a scalar.
+    Only shapes are checked (host metadata): no device value is read.
+    """
+    if isinstance(result, Mapping):
+        if "loss" not in result:
+            raise ValueError(
+                f"loss_fn returned a mapping with keys {', '.join(map(repr, result))} but no 'loss': "
+                "return {'loss': total, 'name': term, ...}, the total being what is minimised"
+            )
+        total, terms = result["loss"], {str(k): v for k, v in result.items() if k != "loss"}
+    else:
+        total, terms = result, {}
+    for name, value in (("loss", total), *terms.items()):
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"loss_fn's {name!r} is a {type(value).__name__}, not a tensor: return tensors")
+        if per_sample and value.dim() == 0:
+            raise _ScalarUnderNone(name)
+        if not per_sample and value.dim() != 0:
+            raise ValueError(
+                f"loss_fn must return a scalar {name!r}, got shape {tuple(value.shape)}: reduce it inside "
+                "loss_fn (reduction='mean', or .mean() over the batch)"
+            )
+        if not name.isidentifier():
+            raise ValueError(f"loss term name {name!r} is not valid: use letters, digits and _ (it names a history column)")
+    return total, terms
+
+
+class _ScalarUnderNone(ValueError):
+    """``reduction='none'`` still returned a scalar: the loss has no per-sample form."""
+
+
+def per_sample_form(loss_fn: LossFn) -> LossFn | None:
+    """``loss_fn`` switched to ``reduction='none'``, or ``None`` when it offers no such switch."""
+    if isinstance(loss_fn, torch.nn.Module) and hasattr(loss_fn, "reduction"):
+        unreduced = copy.copy(loss_fn)
+        unreduced.reduction = "none"
+        return unreduced
+    try:
+        params = inspect.signature(loss_fn).parameters
+    except (TypeError, ValueError):
+        return None
+    return functools.partial(loss_fn, reduction="none") if "reduction" in params else None
+
+
+def rows_mean(values: torch.Tensor) -> torch.Tensor:
+    """One float32 value per row: a ``[B, ...]`` unreduced loss averaged over all but dim 0."""
+    return values.float().reshape(values.shape[0], -1).mean(dim=1)
+
+
+class EvalLoss:
+    """How evaluation computes the loss: ``per_sample`` on the device, or ``whole_set`` on the host.
+
+    Built by :meth:`choose` from one batch (the Trainer's dry run), so a loss that cannot
+    evaluate is found before the first training step.
+    """
+
+    def __init__(self, loss_fn: LossFn, per_sample: LossFn | None) -> None:
+        self.loss_fn = loss_fn
+        self.per_sample = per_sample
+
+    @property
+    def mode(self) -> str:
+        return "per_sample" if self.per_sample is not None else "whole_set"
+
+    @classmethod
+    def choose(cls, loss_fn: LossFn, outputs: Any, targets: Any) -> EvalLoss:
+        """Try the per-sample form on one batch; fall back to the whole set when there is none."""
+        form = per_sample_form(loss_fn)
+        if form is not None:
+            try:
+                result = form(outputs, targets)
+                loss_terms(result, per_sample=True)
+            except _ScalarUnderNone:
+                form = None  # a reduction attribute that the loss does not honour
+        return cls(loss_fn, form)
+
+    def rows(self, outputs: Any, targets: Any) -> dict[str, torch.Tensor]:
+        """Per-sample mode: ``{"loss": [B], term: [B], ...}`` as float32 row means."""
+        assert self.per_sample is not None
+        total, terms = loss_terms(self.per_sample(outputs, targets), per_sample=True)
+        return {"loss": rows_mean(total), **{k: rows_mean(v) for k, v in terms.items()}}
+
+    def whole_set(self, outputs: Any, targets: Any) -> dict[str, float]:
+        """Whole-set mode: the loss and its terms over every validation row at once, on the CPU."""
+        loss_fn = self.loss_fn
+        if isinstance(loss_fn, torch.nn.Module):
+            loss_fn = copy.deepcopy(loss_fn).to("cpu")  # its buffers (class weights, ...) follow the rows
+        with torch.no_grad():
+            total, terms = loss_terms(loss_fn(outputs, targets))
+        return {"loss": float(total), **{k: float(v) for k, v in terms.items()}}
