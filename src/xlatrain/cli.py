@@ -19,10 +19,15 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _fit(args: argparse.Namespace) -> int:
+    from xlatrain.backend.hardware import torch_tpu_cache_env
     from xlatrain.config import load_run_config
-    from xlatrain.recipes.run import run
 
     config = load_run_config(args.config, args.set)
+    # TorchTPU fixes its compilation-cache settings when it first reads them: set them from the
+    # config before torch is imported.
+    torch_tpu_cache_env(config.backend.compile_cache)
+    from xlatrain.recipes.run import run
+
     resume: bool | str = False if args.fresh else (args.resume or "auto")
     trainer, history = run(config, resume=resume)
     if trainer.backend.is_main and history:

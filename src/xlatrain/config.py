@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 ACCELERATORS = ("auto", "tpu", "xla", "cuda", "cpu")
+TPU_RUNTIMES = ("auto", "torch_tpu", "torch_xla")
 XLA_MODES = ("spmd", "multiprocess")
 PRECISIONS = ("32", "bf16")
 TASKS = ("auto", "classification", "multilabel", "none")
@@ -55,18 +56,23 @@ class BackendConfig:
             is the number of virtual XLA:CPU devices, to rehearse a TPU program on a laptop.
         xla_mode: ``spmd`` (one process, the global batch sharded over a ``data`` mesh axis) or
             ``multiprocess`` (one process per chip, started with ``xlatrain.spawn``).
-        compile_cache: keep XLA compilations on disk (``$XLATRAIN_CACHE_DIR``, default
-            ``~/.cache/xlatrain/xla``) so the next identical run starts without compiling.
+        compile_cache: keep compiled programs on disk so the next identical run starts without
+            compiling: torch_xla's in ``$XLATRAIN_CACHE_DIR`` (default ``~/.cache/xlatrain/xla``),
+            TorchTPU's in its sibling ``torch_tpu``.
+        tpu_runtime: which runtime drives a TPU: ``auto`` (TorchTPU when it has a TPU device, else
+            torch_xla), ``torch_tpu`` or ``torch_xla``.
     """
 
     accelerator: str = "auto"
     devices: int | None = None
     xla_mode: str = "spmd"
     compile_cache: bool = True
+    tpu_runtime: str = "auto"
 
     def __post_init__(self) -> None:
         _choice("accelerator", self.accelerator, ACCELERATORS)
         _choice("xla_mode", self.xla_mode, XLA_MODES)
+        _choice("tpu_runtime", self.tpu_runtime, TPU_RUNTIMES)
         if self.devices is not None:
             _positive_int("devices", self.devices)
 
@@ -104,6 +110,8 @@ class TrainConfig:
             reads outside the planned ones, CPU fallbacks, compile and input-wait shares) and
             report it at the end of ``fit`` and in ``RUN_DIR/diagnostics.json``.
         strict: make a recompilation or an unplanned device read after the first epoch an error.
+        compile: run the model under ``torch.compile`` (CPU, CUDA, TorchTPU; torch_xla compiles
+            every step already): the training and evaluation graphs are compiled separately.
         run_dir: where history, best weights, checkpoints and plots go.
     """
 
@@ -126,6 +134,7 @@ class TrainConfig:
     nan_policy: str = "stop"
     diagnostics: bool = True
     strict: bool = False
+    compile: bool = False
     run_dir: str = "runs/default"
 
     def __post_init__(self) -> None:

@@ -1,4 +1,4 @@
-"""Pick the hardware: ``select_backend("auto"|"tpu"|"xla"|"cuda"|"cpu", devices=...)``."""
+"""Pick the hardware: ``select_backend("auto"|"tpu"|"xla"|"cuda"|"cpu", devices=..., tpu_runtime=...)``."""
 
 from __future__ import annotations
 
@@ -19,13 +19,19 @@ def _xla_installed() -> bool:
 
 
 def select_backend(
-    accelerator: str = "auto", devices: int | None = None, xla_mode: str = "spmd", compile_cache: bool = True
+    accelerator: str = "auto",
+    devices: int | None = None,
+    xla_mode: str = "spmd",
+    compile_cache: bool = True,
+    tpu_runtime: str = "auto",
 ) -> Backend:
     """Build the backend for ``accelerator``.
 
-    ``auto`` takes a TPU through torch_xla when one is attached, else CUDA, else the CPU.
-    ``xla`` runs torch_xla on whatever PJRT device exists: on a host without a TPU that is XLA:CPU
-    with ``devices`` virtual devices, to rehearse a TPU program.
+    ``auto`` takes a TPU when one can run (TorchTPU first, then torch_xla), else CUDA, else the
+    CPU. ``tpu`` takes the runtime ``tpu_runtime`` names (``auto``: TorchTPU when it has a TPU
+    device, else torch_xla with a TPU attached) or fails saying what each runtime found. ``xla``
+    runs torch_xla on whatever PJRT device exists: on a host without a TPU that is XLA:CPU with
+    ``devices`` virtual devices, to rehearse a TPU program.
 
     Example:
         >>> select_backend("cpu").describe()
@@ -37,38 +43,46 @@ def select_backend(
         )
     if xla_mode not in XLA_MODES:
         raise ValueError(f"unknown xla_mode {xla_mode!r}: choose one of {', '.join(map(repr, XLA_MODES))}")
-    from xlatrain.backend.hardware import settle_libtpu_without_tpu
+    from xlatrain.backend import runtimes
+    from xlatrain.backend.hardware import settle_libtpu_without_tpu, torch_tpu_cache_env
 
+    if tpu_runtime not in runtimes.TPU_RUNTIMES:
+        raise ValueError(
+            f"tpu_runtime={tpu_runtime!r} is not valid: choose one of {', '.join(map(repr, runtimes.TPU_RUNTIMES))}"
+        )
     settle_libtpu_without_tpu()  # before anything asks torch for its devices
+    torch_tpu_cache_env(compile_cache)  # read by TorchTPU at its first compilation
     import torch
 
     from xlatrain.backend.native import NativeBackend
-    from xlatrain.backend.xla import tpu_present
 
-    if accelerator == "auto":
-        if _xla_installed() and tpu_present():
-            accelerator = "tpu"
-        elif torch.cuda.is_available():
-            accelerator = "cuda"
-        else:
-            accelerator = "cpu"
-    if accelerator in ("tpu", "xla"):
+    runtime = None
+    if accelerator in ("auto", "tpu"):
+        found = runtimes.probe()
+        runtime = runtimes.choose(found, tpu_runtime if accelerator == "tpu" else "auto")
+        if accelerator == "tpu" and runtime is None:
+            raise runtimes.unavailable(found)
+    if accelerator == "auto" and runtime is None:
+        accelerator = "cuda" if torch.cuda.is_available() else "cpu"
+    if runtime == "torch_tpu":
+        return NativeBackend("tpu", devices=devices)
+    if runtime == "torch_xla" or accelerator == "xla":
         if not _xla_installed():
             raise BackendUnavailableError(
-                f"accelerator={accelerator!r} needs torch_xla, which is not installed: "
-                "pip install 'xlatrain[xla]' (torch_xla 2.9.0 for torch 2.9.0)"
+                f"accelerator='xla' needs torch_xla, which is not installed: {runtimes.INSTALL_TORCH_XLA}"
             )
         from xlatrain.backend.xla import XlaBackend
 
         return XlaBackend(
-            devices=devices, mode=xla_mode, require_tpu=accelerator == "tpu", compile_cache=compile_cache
+            devices=devices, mode=xla_mode, require_tpu=runtime == "torch_xla", compile_cache=compile_cache
         )
     return NativeBackend(accelerator, devices=devices)
 
 
 def from_config(config: BackendConfig) -> Backend:
     return select_backend(
-        config.accelerator, devices=config.devices, xla_mode=config.xla_mode, compile_cache=config.compile_cache
+        config.accelerator, devices=config.devices, xla_mode=config.xla_mode, compile_cache=config.compile_cache,
+        tpu_runtime=config.tpu_runtime,
     )
 
 

@@ -57,6 +57,34 @@ def find_tpu_chips(pci_root: str | os.PathLike[str] = PCI_ROOT) -> tuple[TpuChip
     return tuple(chips)
 
 
+VFIO_ROOT = "/dev/vfio"
+
+# The PCI device ids torch_tpu 0.2 counts as TPUs (torch_tpu/_internal/utils/hardware.py
+# _TOPOLOGY_BY_TPU_PCI_DEVICE_ID: v4, v5p, v5e, v6e, v7); v2/v3 (0x0027) and 0x0056 are not among them.
+TORCH_TPU_DEVICE_IDS = frozenset({"0x005e", "0x0062", "0x0063", "0x006f", "0x0076"})
+
+
+def vfio_group(
+    address: str, pci_root: str | os.PathLike[str] = PCI_ROOT, vfio_root: str | os.PathLike[str] = VFIO_ROOT
+) -> str | None:
+    """The VFIO group a PCI device is reached through, or None when it has none.
+
+    torch_tpu 0.2 counts a TPU chip only when the IOMMU group its ``iommu_group`` link names has a
+    node ``/dev/vfio/<group>`` (``_scan_pci_tpus``); without one it registers no ``tpu`` device at
+    ``import torch``. Read the same way here, without starting anything.
+
+    Example:
+        >>> vfio_group("0000:00:04.0", pci_root="/nonexistent") is None
+        True
+    """
+    try:
+        group = os.path.basename(os.readlink(Path(pci_root) / address / "iommu_group"))
+        os.stat(Path(vfio_root) / group)
+    except OSError:
+        return None
+    return group
+
+
 def _read(path: Path) -> str | None:
     try:
         return path.read_text().strip()
@@ -129,3 +157,25 @@ def skip_idle_torch_tpu_autoload(
         return False
     env["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
     return True
+
+
+def torch_tpu_cache_env(enabled: bool, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """TorchTPU's compilation caches, set in ``environ`` unless the user set them.
+
+    TorchTPU reads ``TORCH_TPU_TIER2_COMPILATION_CACHE`` (a host cache in /dev/shm, named) and
+    ``TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT`` (a persistent directory, which needs tier 2) once,
+    at its first compilation; xlatrain's command line sets them before torch is imported. With the
+    cache on, tier 3 lives beside torch_xla's cache (``$XLATRAIN_CACHE_DIR``'s sibling
+    ``torch_tpu``), so a second identical run skips compiling; off, both tiers are disabled.
+    Returns what it set.
+    """
+    env = os.environ if environ is None else environ
+    if any(key in env for key in ("TORCH_TPU_TIER2_COMPILATION_CACHE", "TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT")):
+        return {}
+    wanted = (
+        {"TORCH_TPU_TIER2_COMPILATION_CACHE": "xlatrain",
+         "TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT": str(default_cache_dir(env).parent / "torch_tpu")}
+        if enabled else {"TORCH_TPU_TIER2_COMPILATION_CACHE": "disabled"}
+    )
+    env.update(wanted)
+    return wanted

@@ -1,4 +1,9 @@
-"""CPU and CUDA through eager PyTorch; DDP when the process was launched by torchrun."""
+"""CPU, CUDA and TorchTPU through eager PyTorch; DDP when the process was launched by torchrun.
+
+The device kind is data: ``cpu``, ``cuda`` or ``tpu`` (TorchTPU's device, PrivateUse1 renamed by
+``torch_tpu``) pick the process-group backend, the prefetcher, autocast's device type and the
+``torch.compile`` backend; the training code is the same for all three.
+"""
 
 from __future__ import annotations
 
@@ -11,10 +16,15 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_map
 
 from xlatrain.backend.base import _b64, _unb64, host_rng_state, set_host_rng_state
 from xlatrain.backend.errors import BackendUnavailableError
+from xlatrain.tree import tree_map
+
+# Collectives on the device: gloo on the CPU, NCCL on CUDA, TorchTPU's own group on TPUs.
+PROCESS_GROUP = {"cpu": "gloo", "cuda": "nccl", "tpu": "tpu_dist"}
+# torch.compile backends: TorchTPU's "tpu" takes static shapes only (dynamic=True raises there).
+COMPILE = {"cpu": {}, "cuda": {}, "tpu": {"backend": "tpu", "dynamic": False}}
 
 
 def launched_by_torchrun() -> bool:
@@ -24,11 +34,20 @@ def launched_by_torchrun() -> bool:
 
 
 class NativeBackend:
-    """Eager CPU or CUDA; one replica per process, DDP over processes started by torchrun."""
+    """Eager CPU, CUDA or TorchTPU; one replica per process, DDP over processes started by torchrun.
+
+    For TorchTPU, launch as torch_tpu documents: ``eval "$(python -m torch.tpu.distributed)"``
+    (its launch environment: topology and slice addresses) and then ``torchrun`` with one process
+    per TPU device.
+    """
 
     def __init__(self, device_type: str, devices: int | None = None) -> None:
-        if device_type not in ("cpu", "cuda"):
-            raise ValueError(f"NativeBackend runs on 'cpu' or 'cuda', not {device_type!r}")
+        if device_type not in PROCESS_GROUP:
+            raise ValueError(f"NativeBackend runs on {', '.join(map(repr, PROCESS_GROUP))}, not {device_type!r}")
+        if device_type == "tpu" and torch._C._get_privateuse1_backend_name() != "tpu":
+            from xlatrain.backend import runtimes
+
+            raise runtimes.unavailable(runtimes.probe(), "torch_tpu")
         if device_type == "cuda" and not torch.cuda.is_available():
             raise BackendUnavailableError(
                 "accelerator='cuda' was asked for but torch sees no CUDA device "
@@ -55,13 +74,18 @@ class NativeBackend:
         if device_type == "cuda":
             self.device = torch.device("cuda", local_rank)
             torch.cuda.set_device(self.device)
+        elif device_type == "tpu":
+            # TorchTPU binds each process to its device from the launch environment; the index
+            # may be the global device id, so it is asked for, not computed from LOCAL_RANK.
+            self.device = torch.device("tpu", torch.accelerator.current_device_index())
         else:
             self.device = torch.device("cpu")
         if distributed and not dist.is_initialized():
-            dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
-        # Host-side agreement (stop requests, RNG states) goes over gloo, so it never syncs a GPU.
+            dist.init_process_group(backend=PROCESS_GROUP[device_type])
+        # Host-side agreement (stop requests, RNG states) goes over gloo, so it never syncs the device
+        # (and TorchTPU's group takes TPU tensors only).
         self._host_group = (
-            dist.new_group(backend="gloo") if distributed and device_type == "cuda" else None
+            dist.new_group(backend="gloo") if distributed and device_type != "cpu" else None
         )
         self._distributed = distributed
         self.world_size = world
@@ -76,7 +100,9 @@ class NativeBackend:
         return self.process_index == 0
 
     def describe(self) -> str:
-        where = torch.cuda.get_device_name(self.device) if self.name == "cuda" else "CPU"
+        where = {"cuda": lambda: torch.cuda.get_device_name(self.device), "tpu": lambda: "TorchTPU"}.get(
+            self.name, lambda: "CPU"
+        )()
         mode = f"DDP over {self.world_size} processes" if self._distributed else "single process"
         return f"{self.name} ({where}), {mode}"
 
@@ -88,12 +114,19 @@ class NativeBackend:
         return model
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
         return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+    def compile(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``model`` under ``torch.compile`` with this device's compiler (TorchTPU: backend "tpu")."""
+        return torch.compile(model, **COMPILE[self.name])
 
     def wrap_loader(self, loader: Iterable[Any]) -> Iterable[Any]:
         if self.name == "cpu":
             return loader
-        return _CudaPrefetcher(loader, self.device)
+        if self.name == "cuda":
+            return _CudaPrefetcher(loader, self.device)
+        return _AheadCopier(loader, self.device)
 
     def autocast(self, precision: str) -> contextlib.AbstractContextManager[Any]:
         if precision == "bf16":
@@ -134,8 +167,10 @@ class NativeBackend:
 
     def defer(self, fn: Callable[..., None], tensors: Sequence[torch.Tensor]) -> None:
         self.planned_reads += 1
-        if self.name == "cpu":
-            fn(*[t.detach() for t in tensors])
+        if self.name != "cuda":
+            # CPU: the values exist now. TorchTPU has no queryable events (Event.query raises),
+            # so the read waits for the device here, once per log interval.
+            fn(*[t.detach().to("cpu") for t in tensors])
             return
         # Copy into pinned host memory without waiting; run fn once the copy has landed.
         host = [t.detach().to("cpu", non_blocking=True) for t in tensors]
@@ -173,12 +208,17 @@ class NativeBackend:
         state = host_rng_state()
         if self.name == "cuda":
             state["cuda"] = _b64(torch.cuda.get_rng_state(self.device))
+        elif self.name == "tpu":
+            # 16 bytes (seed, offset) of the process's TPU generator; reading them syncs.
+            state["tpu"] = _b64(torch.accelerator.random.get_rng_state())
         return state
 
     def set_rng_state(self, state: dict[str, Any]) -> None:
         set_host_rng_state(state)
         if self.name == "cuda" and "cuda" in state:
             torch.cuda.set_rng_state(_unb64(state["cuda"]), self.device)
+        elif self.name == "tpu" and "tpu" in state:
+            torch.tpu.set_rng_state(_unb64(state["tpu"]))
 
     def gather_objects(self, obj: Any) -> list[Any]:
         if not self._distributed:
@@ -228,3 +268,28 @@ class _CudaPrefetcher:
         # The tensors were allocated on the side stream; tell the allocator they are used here.
         tree_map(lambda t: t.record_stream(current) if isinstance(t, torch.Tensor) else t, batch)
         return batch
+
+
+class _AheadCopier:
+    """Starts the next batch's host-to-device copy (non-blocking) before the current one is used.
+
+    For TorchTPU, whose streams and events are not usable for this yet: its non-blocking copy
+    keeps the source alive and returns at once, so the copy overlaps the step.
+    """
+
+    def __init__(self, loader: Iterable[Any], device: torch.device) -> None:
+        self._loader = loader
+        self._device = device
+
+    def __len__(self) -> int:
+        return len(self._loader)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[Any]:
+        pending = None
+        for batch in self._loader:
+            on_device = tree_map(lambda t: t.to(self._device, non_blocking=True) if isinstance(t, torch.Tensor) else t, batch)
+            if pending is not None:
+                yield pending
+            pending = on_device
+        if pending is not None:
+            yield pending

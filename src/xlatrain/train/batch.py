@@ -1,9 +1,8 @@
 """Batches of any structure, and where the Trainer finds a model's inputs and the loss targets.
 
 Dataset items may be ``(inputs, targets)`` pairs, dicts, or nested tuples / lists / dicts /
-dataclasses of tensors. They are batched, moved to the device, sharded and padded as trees: the
-functions here flatten a tree to its leaves and rebuild it, without registering anything
-globally (a user's dataclass stays the user's business).
+dataclasses of tensors. They are batched, moved to the device, sharded and padded as trees
+(:mod:`xlatrain.tree`).
 
 How a batch feeds the model (:class:`BatchLayout`):
 
@@ -17,70 +16,15 @@ How a batch feeds the model (:class:`BatchLayout`):
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-Spec = Any  # None for a leaf, else (kind, aux, child specs)
+from xlatrain.tree import Spec, tree_flatten, tree_map, tree_unflatten
 
-
-def tree_flatten(tree: Any) -> tuple[list[Any], Spec]:
-    """Leaves (tensors and anything not a container) in a fixed order, and the structure."""
-    if isinstance(tree, Mapping):
-        keys = list(tree)
-        parts = [tree_flatten(tree[k]) for k in keys]
-        return [leaf for leaves, _ in parts for leaf in leaves], ("dict", (type(tree), keys), [s for _, s in parts])
-    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
-        names = [f.name for f in dataclasses.fields(tree)]
-        parts = [tree_flatten(getattr(tree, n)) for n in names]
-        return [leaf for leaves, _ in parts for leaf in leaves], ("dataclass", (type(tree), names), [s for _, s in parts])
-    if isinstance(tree, (tuple, list)):
-        parts = [tree_flatten(v) for v in tree]
-        return [leaf for leaves, _ in parts for leaf in leaves], ("seq", type(tree), [s for _, s in parts])
-    return [tree], None
-
-
-def _count(spec: Spec) -> int:
-    return 1 if spec is None else sum(_count(s) for s in spec[2])
-
-
-def tree_unflatten(leaves: Sequence[Any], spec: Spec) -> Any:
-    """The inverse of :func:`tree_flatten`."""
-    it = iter(leaves)
-
-    def build(s: Spec) -> Any:
-        if s is None:
-            return next(it)
-        kind, aux, children = s
-        values = [build(c) for c in children]
-        if kind == "dict":
-            cls, keys = aux
-            out = dict(zip(keys, values))
-            return out if cls is dict else _rebuild_mapping(cls, out)
-        if kind == "dataclass":
-            cls, names = aux
-            return cls(**dict(zip(names, values)))
-        cls = aux
-        if cls in (tuple, list):
-            return cls(values)
-        return cls(*values)  # a namedtuple
-
-    return build(spec)
-
-
-def _rebuild_mapping(cls: type, values: dict[str, Any]) -> Any:
-    try:
-        return cls(values)
-    except TypeError:
-        return values  # a mapping type that cannot be built from a dict comes back as a dict
-
-
-def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
-    leaves, spec = tree_flatten(tree)
-    return tree_unflatten([fn(leaf) for leaf in leaves], spec)
-
+__all__ = ["BatchLayout", "collate", "num_rows", "tree_flatten", "tree_map", "tree_unflatten"]
 
 def collate(items: Sequence[Any]) -> Any:
     """Stack a list of dataset items into one batch of the same structure.

@@ -171,6 +171,7 @@ RESUME_RULES: dict[str, str] = {
     "trainer.nan_policy": "continue",
     "trainer.diagnostics": "continue",
     "trainer.strict": "continue",
+    "trainer.compile": "continue",
     "trainer.run_dir": "continue",
     "checkpoint.every_steps": "continue",
     "checkpoint.at_epoch_end": "continue",

@@ -139,6 +139,14 @@ class Trainer:
         self.metrics_fn = metrics_fn
         self._run_config = {k: v for k, v in (run_config or {}).items() if k not in ("trainer", "checkpoint")}
         self.model = be.prepare_model(model)
+        if cfg.compile and be.name == "xla":
+            raise ValueError(
+                "compile=True runs the model under torch.compile on CPU, CUDA and TorchTPU; torch_xla "
+                "already compiles every step (lazy tensors): leave compile off with accelerator='xla'"
+            )
+        # Training and evaluation run through this; under torch.compile each mode (train with
+        # gradients, eval without) gets its own graph.
+        self._forward = be.compile(self.model) if cfg.compile else self.model
         self.optimizer = optimizer_fn(be.unwrap(self.model).parameters())
         if cfg.scale_lr and be.world_size > 1:
             before = [g["lr"] for g in self.optimizer.param_groups]
@@ -274,7 +282,7 @@ class Trainer:
             for batch, valid_B in batches:
                 args, targets = self.layout.split(batch)
                 with be.autocast(self.config.precision):
-                    outputs = self.model(*args)
+                    outputs = self._forward(*args)
                 outputs = as_float(outputs)
                 acc.update(outputs, targets, valid_B)
                 be.step_end()
@@ -294,7 +302,7 @@ class Trainer:
         with torch.no_grad():
             for item, _valid in batches:
                 with be.autocast(self.config.precision):
-                    rows.add(as_float(self.model(*self.layout.model_args(item))))
+                    rows.add(as_float(self._forward(*self.layout.model_args(item))))
                 be.step_end()
         return rows.result()
 
@@ -360,7 +368,7 @@ class Trainer:
             be.step_begin(((cfg.seed * 1_000_003 + cursor.epoch) * 1_000_003 + step) % 2**62)
             with contextlib.nullcontext() if last_micro else be.no_sync(model):
                 with be.autocast(cfg.precision):
-                    outputs = model(*args)
+                    outputs = self._forward(*args)
                     loss, terms = loss_terms(self.loss_fn(outputs, targets))  # shapes only: no sync
                 (loss / accum if accum > 1 else loss).backward()
             loss = loss.detach().float()

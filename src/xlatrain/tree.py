@@ -1,0 +1,62 @@
+"""Trees of tensors: flatten to leaves and rebuild, for tuples, lists, namedtuples, mappings and
+dataclasses, without registering any type globally (a user's dataclass stays the user's)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+Spec = Any  # None for a leaf, else (kind, aux, child specs)
+
+
+def tree_flatten(tree: Any) -> tuple[list[Any], Spec]:
+    """Leaves (tensors and anything not a container) in a fixed order, and the structure."""
+    if isinstance(tree, Mapping):
+        keys = list(tree)
+        parts = [tree_flatten(tree[k]) for k in keys]
+        return [leaf for leaves, _ in parts for leaf in leaves], ("dict", (type(tree), keys), [s for _, s in parts])
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        names = [f.name for f in dataclasses.fields(tree)]
+        parts = [tree_flatten(getattr(tree, n)) for n in names]
+        return [leaf for leaves, _ in parts for leaf in leaves], ("dataclass", (type(tree), names), [s for _, s in parts])
+    if isinstance(tree, (tuple, list)):
+        parts = [tree_flatten(v) for v in tree]
+        return [leaf for leaves, _ in parts for leaf in leaves], ("seq", type(tree), [s for _, s in parts])
+    return [tree], None
+
+
+def tree_unflatten(leaves: Sequence[Any], spec: Spec) -> Any:
+    """The inverse of :func:`tree_flatten`."""
+    it = iter(leaves)
+
+    def build(s: Spec) -> Any:
+        if s is None:
+            return next(it)
+        kind, aux, children = s
+        values = [build(c) for c in children]
+        if kind == "dict":
+            cls, keys = aux
+            out = dict(zip(keys, values))
+            return out if cls is dict else _rebuild_mapping(cls, out)
+        if kind == "dataclass":
+            cls, names = aux
+            return cls(**dict(zip(names, values)))
+        cls = aux
+        if cls in (tuple, list):
+            return cls(values)
+        return cls(*values)  # a namedtuple
+
+    return build(spec)
+
+
+def _rebuild_mapping(cls: type, values: dict[str, Any]) -> Any:
+    try:
+        return cls(values)
+    except TypeError:
+        return values  # a mapping type that cannot be built from a dict comes back as a dict
+
+
+def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
+    leaves, spec = tree_flatten(tree)
+    return tree_unflatten([fn(leaf) for leaf in leaves], spec)
