@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import inspect
 import math
 
 import numpy as np
@@ -140,10 +139,6 @@ def test_tiny_resnet_unet_trains_on_cpu(tmp_path):
     assert losses[-1] < 0.8 * losses[0], losses
 
 
-@pytest.mark.skipif(
-    "metrics_fn" not in inspect.signature(xlatrain.Trainer).parameters,
-    reason="needs the Trainer's metrics_fn hook and tuple outputs in evaluation",
-)
 def test_tiny_resnet_unet_validates_with_host_metrics(tmp_path):
     torch.manual_seed(0)
     trainer = xlatrain.Trainer(

@@ -2,10 +2,13 @@
 
 Usage: python resumable.py RUN_DIR EPOCHS EVERY_STEPS STEP_SLEEP_S [accelerator] [devices]
 Prints HISTORY json at the end and saves the final weights to RUN_DIR/final.safetensors.
+While the file named by $XLATRAIN_TEST_GATE exists, reading a training item waits: a test holds
+the run inside a step for as long as it needs.
 """
 
 import functools
 import json
+import os
 import sys
 import time
 
@@ -31,6 +34,9 @@ class Slow(Dataset):
     def __getitem__(self, i: int):
         if self.sleep_s:
             time.sleep(self.sleep_s)
+        gate = os.environ.get("XLATRAIN_TEST_GATE")
+        while gate and os.path.exists(gate):
+            time.sleep(0.005)
         return self.x[i], self.y[i]
 
 

@@ -6,13 +6,14 @@ about 1e-7 (float32 reduction order across shards), so 1e-5 catches any sampling
 (a single sample in the wrong batch moves the loss by more than 1e-3).
 """
 
+import json
 import shutil
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import SCRIPTS, run_script
+from conftest import SCRIPTS, run_command, run_script
 
 REL = 1e-5
 
@@ -58,6 +59,18 @@ def test_ddp_two_processes_under_torchrun_match_one_process(cpu_reference, tmp_p
          str(SCRIPTS / "trajectory.py"), "cpu", "2", "16", "3", str(tmp_path)],
     )
     _assert_same_trajectory(history, cpu_reference)
+
+
+@pytest.mark.multiprocess
+def test_scale_lr_multiplies_the_rate_by_the_process_count_under_torchrun(tmp_path):
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    proc = run_command(
+        [torchrun, "--nproc-per-node", "2", "--master-port", "0", "--standalone",
+         str(SCRIPTS / "trajectory.py"), "cpu", "2", "16", "1", str(tmp_path), "spmd", "scale_lr"],
+    )
+    history = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("HISTORY ")][0][len("HISTORY "):])
+    assert history[0]["lr"] == pytest.approx(0.2)  # 0.1 x 2 processes
+    assert proc.stdout.count("learning rate scaled x2 by device count (scale_lr=True): 0.1 -> 0.2") == 1  # rank 0 says it
 
 
 @pytest.mark.xla

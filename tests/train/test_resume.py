@@ -2,6 +2,7 @@
 
 import functools
 import json
+import math
 import logging
 import os
 import random
@@ -76,14 +77,40 @@ def test_sigterm_mid_epoch_then_resume_is_bitwise_identical_on_cpu(uninterrupted
     assert (tmp_path / "final.safetensors").read_bytes() == final
 
 
-def test_a_second_signal_exits_at_once_and_leaves_a_loadable_checkpoint(tmp_path):
-    proc = _start(tmp_path, every=1, sleep_s=0.02)
-    _wait_for_line(proc, "epoch 1 step 3/12")
+def _held_in_a_step(run_dir, gate, every):
+    """A run held inside a step's data loading (epoch 1) for as long as ``gate`` exists."""
+    proc = _start(run_dir, every=every, sleep_s=0.001, env={"XLATRAIN_TEST_GATE": str(gate)})
+    _wait_for_line(proc, "epoch 1 step 1/12")
+    gate.touch()  # the next item read waits; a few steps may pass before it does (< 12)
+    time.sleep(0.5)
+    return proc
+
+
+def test_one_signal_stops_after_the_step_and_a_second_exits_at_once(tmp_path):
+    # One SIGINT: the step finishes, a checkpoint is saved, the run says so and exits 130.
+    gate = tmp_path / "gate-one"
+    proc = _held_in_a_step(tmp_path / "one", gate, every=100)
     proc.send_signal(signal.SIGINT)
+    _wait_for_line(proc, "SIGINT: finishing this step, then saving a checkpoint")
+    gate.unlink()
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGINT, out
+    assert "SIGINT: stopped after epoch 1 step" in out
+    assert find_resumable(tmp_path / "one" / "checkpoints") is not None  # the stop saved one
+    # A second SIGINT while the step is still running: it exits at once, no save, no message,
+    # and the periodic checkpoint written before still loads.
+    gate = tmp_path / "gate-two"
+    proc = _held_in_a_step(tmp_path / "two", gate, every=1)
     proc.send_signal(signal.SIGINT)
-    proc.communicate(timeout=60)
-    assert proc.returncode != 0
-    assert find_resumable(tmp_path / "checkpoints") is not None
+    _wait_for_line(proc, "SIGINT: finishing this step")
+    before = list_checkpoints(tmp_path / "two" / "checkpoints")
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    gate.unlink()
+    assert proc.returncode == 128 + signal.SIGINT, out
+    assert "stopped after" not in out, out
+    assert before and list_checkpoints(tmp_path / "two" / "checkpoints") == before  # nothing saved
+    assert find_resumable(tmp_path / "two" / "checkpoints") is not None
 
 
 def _kill_one(run_dir, every, delay, at_save):
@@ -117,7 +144,8 @@ def test_kill_9_during_saves_never_loses_a_loadable_checkpoint(tmp_path):
             pool.map(lambda i: _kill_one(tmp_path / f"trial{i}", every, delays[i], i % 2 == 1), range(trials))
         )
     lost = [r[0] for r in results]
-    print(f"kill -9 trials: {trials}, killed mid-save: {sum(r[2] for r in results)}, "
+    mid_save = sum(r[2] for r in results)
+    print(f"kill -9 trials: {trials}, killed mid-save: {mid_save}, "
           f"resumable: {sum(r[1] for r in results)}, steps lost: max {max(lost)}, mean {sum(lost) / trials:.2f}")
     # A kill can land after step k was trained and printed but before its save finished, so up
     # to `every` steps may be lost; more would mean a checkpoint was lost or unreadable.
@@ -126,6 +154,9 @@ def test_kill_9_during_saves_never_loses_a_loadable_checkpoint(tmp_path):
     assert all(found or lost_steps <= every for lost_steps, found, _ in results)
     # Cut into a later save, the earlier checkpoint is always there and verifies.
     assert all(results[i][1] for i in range(1, trials, 2)), results
+    # The test means something only if kills landed inside saves: a temporary directory left
+    # behind is a save cut short. About half the aimed trials land there (measured 10 of 20).
+    assert mid_save >= 1, "no kill landed mid-save: the trials did not test what they claim"
 
 
 def test_damaged_or_incomplete_checkpoints_are_skipped_with_a_named_warning(tmp_path, caplog):
@@ -191,7 +222,7 @@ def test_nan_policy_skip_step_leaves_weights_finite_and_counts_the_loss_out(tmp_
     trainer = _tiny_trainer(tmp_path, NanAtStep(5), nan_policy="skip_step")
     history = trainer.fit(_tiny_data())
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
-    assert history[0]["train_loss"] == history[0]["train_loss"]  # finite mean over the good steps
+    assert math.isfinite(history[0]["train_loss"])  # the mean over the good steps
 
 
 def test_nan_policy_ignore_trains_on_and_reports_nan(tmp_path):

@@ -114,6 +114,7 @@ class Trainer:
         inputs: str | Sequence[str] | None = None,
         targets: str | Sequence[str] | None = None,
     ) -> None:
+        ensure_console()  # messages from here on (scale_lr, resume) reach a console
         self.config = cfg = config or TrainConfig()
         self.checkpoint = checkpoint or CheckpointConfig()
         self.layout = BatchLayout(inputs, targets)
@@ -231,7 +232,7 @@ class Trainer:
                 f"all {cfg.epochs} epoch(s) of this run are done: nothing to train. Raise epochs to train "
                 "on, or start over (resume=False; --fresh on the command line)."
             )
-        with _StopSignals() as stop:
+        with _StopSignals(self._say) as stop:
             for epoch in range(first_epoch, cfg.epochs + 1):
                 started = time.perf_counter()
                 cursor.epoch, cursor.step, cursor.epoch_done = epoch, start_step, False
@@ -707,9 +708,10 @@ class _StopSignals:
     run keeps Python's defaults.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, say: Callable[[str], None]) -> None:
         self.signum: int | None = None
         self._previous: dict[int, Any] = {}
+        self._say = say
 
     @property
     def requested(self) -> bool:
@@ -719,6 +721,8 @@ class _StopSignals:
         if self.signum is not None:
             os._exit(128 + signum)  # files are written atomically: nothing is left torn
         self.signum = signum
+        name = signal.Signals(signum).name
+        self._say(f"{name}: finishing this step, then saving a checkpoint; a second {name} stops at once")
 
     def __enter__(self) -> _StopSignals:
         if threading.current_thread() is threading.main_thread():
