@@ -33,6 +33,7 @@ __all__ = [
     "adapt_stem_weight",
     "build_model",
     "load_state_dict_file",
+    "model_options",
 ]
 
 
@@ -140,6 +141,13 @@ def build_model(
     if state is not None:
         _load_adapted(model, state, spec, source=str(path))
     return model
+
+
+def model_options(name: str) -> set[str]:
+    """Which of the config's shape options (``width``, ``blocks``) the model ``name`` takes."""
+    if name not in _SPECS:
+        raise ValueError(f"unknown model name {name!r}: valid names are {', '.join(MODEL_NAMES)}")
+    return {"resnet_unet": {"width", "blocks"}, "small_cnn": {"width"}}.get(name, set())
 
 
 # --- pretrained weights --------------------------------------------------------------------------

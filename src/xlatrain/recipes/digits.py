@@ -48,14 +48,12 @@ class DataConfig:
 def build(config: Any) -> Any:
     """The digits recipe for ``xlatrain fit`` (``model.name``: small_cnn or any classifier)."""
     from xlatrain.config import from_dict
-    from xlatrain.models import build_model
-    from xlatrain.recipes.run import RecipeParts
+    from xlatrain.recipes.run import RecipeParts, build_recipe_model
 
     data = from_dict(DataConfig, config.data, section="data")
     train_set, val_set = digits_datasets(data.image_size, data.val_fraction, data.seed)
     torch.manual_seed(config.trainer.seed)
-    extra = {"width": config.model.width} if config.model.width else {}
-    model = build_model(config.model.name, num_outputs=10, in_channels=1, pretrained=config.model.pretrained, **extra)
+    model = build_recipe_model(config, num_outputs=10, in_channels=1)
     return RecipeParts(model=model, loss_fn=nn.CrossEntropyLoss(), train_data=train_set, val_data=val_set)
 
 

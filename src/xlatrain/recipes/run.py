@@ -42,6 +42,32 @@ def recipe_module(name: str) -> Any:
     return importlib.import_module(RECIPES[name])
 
 
+def build_recipe_model(config: RunConfig, *, num_outputs: int, in_channels: int, names: Sequence[str] | None = None) -> torch.nn.Module:
+    """The ``model`` section as a model: every key takes effect or is an error naming it.
+
+    ``width`` and ``blocks`` go to models that take them (``small_cnn``: width; ``resnet_unet``:
+    width and blocks); set for another model they are an error, not silently dropped. ``names``
+    limits which models the recipe can use.
+    """
+    from xlatrain.models import MODEL_NAMES, build_model, model_options
+
+    cfg = config.model
+    if names is not None and cfg.name not in names:
+        raise ValueError(f"model.name={cfg.name!r}: the {config.recipe} recipe builds {', '.join(names)}")
+    extra = {k: v for k, v in (("width", cfg.width), ("blocks", cfg.blocks)) if v is not None}
+    takes = model_options(cfg.name) if cfg.name in MODEL_NAMES else set(extra)
+    unused = sorted(set(extra) - takes)
+    if unused:
+        raise ValueError(
+            f"model.{unused[0]} is set but {cfg.name} has no such option: "
+            + (f"it takes {', '.join('model.' + t for t in sorted(takes))}; " if takes else "it takes neither width nor blocks; ")
+            + "remove the key"
+        )
+    if "blocks" in extra:
+        extra["blocks"] = tuple(extra["blocks"])
+    return build_model(cfg.name, num_outputs=num_outputs, in_channels=in_channels, pretrained=cfg.pretrained, **extra)
+
+
 def optimizer_factory(cfg: OptimizerConfig) -> Callable[..., torch.optim.Optimizer]:
     if cfg.name == "sgd":
         return functools.partial(torch.optim.SGD, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)

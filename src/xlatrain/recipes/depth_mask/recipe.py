@@ -11,7 +11,6 @@ from xlatrain.config import from_dict
 from xlatrain.recipes.depth_mask.data import IMAGE_SIZE, DepthMaskDataset
 from xlatrain.recipes.depth_mask.loss import DepthMaskLoss
 from xlatrain.recipes.depth_mask.metrics import depth_mask_metrics
-from xlatrain.recipes.depth_mask.model import build_depth_mask_model
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -25,13 +24,13 @@ class DataConfig:
 
 
 def build(config: Any) -> Any:
-    from xlatrain.recipes.run import RecipeParts
+    from xlatrain.recipes.run import RecipeParts, build_recipe_model
 
     data = from_dict(DataConfig, config.data, section="data")
     torch.manual_seed(config.trainer.seed)
-    model = build_depth_mask_model(
-        width=config.model.width or 64, blocks=tuple(config.model.blocks or (3, 4, 6, 3)), pretrained=config.model.pretrained
-    )
+    # One input channel; one mask channel plus the depth map (ResNetUNet's defaults: width 64,
+    # blocks 3-4-6-3, when the config leaves them out).
+    model = build_recipe_model(config, num_outputs=1, in_channels=1, names=("resnet_unet",))
     return RecipeParts(
         model=model,
         loss_fn=DepthMaskLoss(mask_weight=data.mask_weight, depth_weight=data.depth_weight),

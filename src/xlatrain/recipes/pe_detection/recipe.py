@@ -141,14 +141,20 @@ class Split:
     val_studies: np.ndarray
 
 
-def datasets(data: DataConfig) -> Split:
-    """Train / validation of fold ``data.fold``, grouped by study (no study on both sides)."""
+def datasets(data: DataConfig, num_workers: int = 0) -> Split:
+    """Train / validation of fold ``data.fold``, grouped by study (no study on both sides).
+
+    ``num_workers`` (the trainer's setting) is how many processes decode: the shard reader's own
+    workers, or the DataLoader's for the folder source.
+    """
     from xlatrain.data.shards import Augment, ShardDataset
     from xlatrain.data.splits import group_kfold
 
     prepare_data(data)
     if data.source == "shards":
-        full = ShardDataset(data.shard_dir, image_size=data.image_size, channels=1, labels=list(TARGET_NAMES))
+        full = ShardDataset(
+            data.shard_dir, image_size=data.image_size, channels=1, labels=list(TARGET_NAMES), num_workers=num_workers
+        )
         groups, labels = full.groups, full.labels
         train_ids, val_ids = group_kfold(groups, num_folds=data.num_folds, fold=data.fold, seed=data.seed)
         augment = Augment(hflip=data.hflip, rotate_degrees=data.rotate_degrees)
@@ -178,15 +184,11 @@ class SliceClassifier(nn.Module):
 
 
 def build(config: Any) -> Any:
-    from xlatrain.models import build_model
-    from xlatrain.recipes.run import RecipeParts
+    from xlatrain.recipes.run import RecipeParts, build_recipe_model
 
-    split = datasets(from_dict(DataConfig, config.data, section="data"))
+    split = datasets(from_dict(DataConfig, config.data, section="data"), num_workers=config.trainer.num_workers)
     torch.manual_seed(config.trainer.seed)
-    extra = {"width": config.model.width} if config.model.width else {}
-    backbone = build_model(
-        config.model.name, num_outputs=len(TARGET_NAMES), in_channels=1, pretrained=config.model.pretrained, **extra
-    )
+    backbone = build_recipe_model(config, num_outputs=len(TARGET_NAMES), in_channels=1)
     return RecipeParts(
         model=SliceClassifier(backbone),
         loss_fn=nn.BCEWithLogitsLoss(),
