@@ -89,3 +89,90 @@ def test_xla_compilations_do_not_grow_after_the_first_epoch(tmp_path, task):
     assert transfers[0] == transfers[1] <= (8 if task == "classification" else 12), transfers
     # The per-epoch StepLR schedule changed the rate without a recompile.
     assert [row["lr"] for row in history] == [0.01, 0.005, 0.0025]
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _node(torchrun, port, script_args, env=None):
+    """One torchrun "node" of a two-node job on this host (c10d rendezvous on localhost:port)."""
+    import subprocess
+
+    from conftest import script_env
+
+    return subprocess.Popen(
+        [torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+         "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", f"xlatrain-{port}", *script_args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=script_env(env), stdin=subprocess.DEVNULL,
+    )
+
+
+@pytest.mark.multiprocess
+def test_two_torchrun_nodes_train_the_one_process_trajectory(cpu_reference, tmp_path):
+    """The multi-node launch that GPU clusters and TorchTPU pods use, two nodes on this host."""
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    port = _free_port()
+    args = [str(SCRIPTS / "trajectory.py"), "cpu", "2", "16", "3", str(tmp_path)]
+    nodes = [_node(torchrun, port, args) for _ in range(2)]
+    outs = [n.communicate(timeout=300)[0] for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], outs
+    lines = [ln for out in outs for ln in out.splitlines() if ln.startswith("HISTORY ")]
+    assert len(lines) == 1, outs  # printed by rank 0, on whichever node it landed
+    _assert_same_trajectory(json.loads(lines[0][len("HISTORY "):]), cpu_reference)
+
+
+@pytest.mark.multiprocess
+def test_sigterm_to_one_node_stops_both_at_one_step_with_a_checkpoint(tmp_path):
+    import selectors
+    import signal
+    import time
+
+    from xlatrain.checkpoint import find_resumable
+
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    port = _free_port()
+    args = [str(SCRIPTS / "resumable.py"), str(tmp_path), "2", "100", "0.02", "cpu", "2"]
+    # LOGLEVEL=INFO: torchrun then says when its workers finished successfully.
+    nodes = [_node(torchrun, port, args, env={"LOGLEVEL": "INFO"}) for _ in range(2)]
+    sel = selectors.DefaultSelector()
+    for i, n in enumerate(nodes):
+        sel.register(n.stdout, selectors.EVENT_READ, i)
+    buffers = ["", ""]
+
+    def read_until(needle, node=None, timeout=180):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for key, _ in sel.select(timeout=1):
+                line = key.fileobj.readline()
+                buffers[key.data] += line
+                if needle in line and node in (None, key.data):
+                    return key.data
+        raise AssertionError(f"no {needle!r} in:\n{buffers[0]}\n----\n{buffers[1]}")
+
+    main = read_until("epoch 1 step 3/")  # rank 0's node prints; training is under way
+    nodes[1 - main].send_signal(signal.SIGTERM)  # the other node only: rank 0 learns of it from its peer
+    read_until("stopped after epoch", node=main)
+    # The unsignalled worker exited 0; its torchrun then waits at its exit barrier for the
+    # signalled agent, which never arrives (torchrun's own 300 s timeout), so it is ended here.
+    read_until("worker group successfully finished", node=main)
+    for n in nodes:
+        n.kill()
+        n.communicate(timeout=60)
+    stop_line = [ln for ln in buffers[main].splitlines() if "stopped after epoch" in ln][0]
+    assert "a stop requested on another process: stopped after epoch 1 step" in stop_line
+    assert sum("stopped after epoch" in b for b in buffers) == 1  # said once, by rank 0
+    path, _, meta = find_resumable(tmp_path / "checkpoints")
+    assert f"step {meta['cursor']['step']};" in stop_line and len(meta["rng"]) == 2  # both ranks, that step
+    assert not (tmp_path / "final.safetensors").exists()
+    # Both nodes again: the run continues from that checkpoint to the end.
+    port = _free_port()
+    again = [_node(torchrun, port, [str(SCRIPTS / "resumable.py"), str(tmp_path), "2", "100", "0", "cpu", "2"])
+             for _ in range(2)]
+    outs = [n.communicate(timeout=300)[0] for n in again]
+    assert [n.returncode for n in again] == [0, 0], outs
+    assert any(f"resumed from {path}" in out for out in outs) and (tmp_path / "final.safetensors").exists()

@@ -517,13 +517,15 @@ class Trainer:
         if self.backend.is_main:
             write_history(self.run_dir, self.history)
         self.backend.barrier()
-        name = signal.Signals(stop.signum).name if stop.signum else "stop request"
+        # A process that was not signalled stops because a peer was: every process stops at this
+        # same step, and only a Ctrl-C (SIGINT) of this process makes its exit code non-zero.
+        name = signal.Signals(stop.signum).name if stop.signum else "a stop requested on another process"
         self._say(
             f"{name}: stopped after epoch {cursor.epoch} step {cursor.step}"
             + (f"; checkpoint {path}" if path else "")
             + ". Run the same command again to resume (resume='auto')."
         )
-        raise SystemExit(0 if stop.signum == signal.SIGTERM else 128 + (stop.signum or 0))
+        raise SystemExit(128 + stop.signum if stop.signum not in (None, signal.SIGTERM) else 0)
 
     def _check_nonfinite(self, bad: float, epoch: int, first: int, last: int) -> None:
         if bad > 0 and self.config.nan_policy == "stop":
