@@ -568,6 +568,8 @@ def test_command_exits_1_when_import_torch_fails(tmp_path):
     assert data["usable"] is False and data["exit_code"] == 1
     failed = next(f for f in data["findings"] if f["code"] == "torch-import-failed")
     assert "this torch is broken on purpose" in failed["evidence"]
+    # What torch_tpu would do at import torch is not guessed once import torch is known to fail.
+    assert not [f["code"] for f in data["findings"] if f["code"].startswith("torch_tpu:")]
     assert next(r for r in data["runtimes"] if r["name"] == "CPU")["runs_here"] is False
 
 

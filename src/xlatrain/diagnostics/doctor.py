@@ -1423,8 +1423,10 @@ def _torch_tpu_runtime_findings(
     out = []
     torch_stage = probe.stages.get("torch") if probe is not None else None
     accel = probe.stages.get("accelerator") if probe is not None else None
-    if torch_stage is not None and not torch_stage.get("torch_tpu_loaded"):
-        return out  # the probe saw torch import without torch_tpu: none of the below happened
+    if probe is not None and (torch_stage is None or not torch_stage.get("torch_tpu_loaded")):
+        # import torch failed (its own finding says so), or the probe saw torch import without
+        # torch_tpu: none of the below happened.
+        return out
     env = facts.env
 
     if blocker is None and facts.torch_tpu_visible and accel is not None and "error" not in accel \
