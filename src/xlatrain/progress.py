@@ -1,0 +1,209 @@
+"""Training progress for one epoch: a live bar in a terminal, plain lines everywhere else.
+
+In a terminal the main process draws a tqdm bar that moves every step from the host's own step
+count (no device value is read for it) and shows the loss and throughput of the last log
+interval, which the Trainer hands in from its deferred read. Elsewhere (a log file, CI, a
+notebook, every process under torchrun) each log interval is one plain line through the
+``xlatrain`` logger, the same line with or without a bar installed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import IO, Any
+
+from xlatrain.logs import LOGGER_NAME
+
+# Environment variables set for every worker that torchrun (torch.distributed.elastic) starts.
+_TORCHRUN_VARS = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
+_FALLBACK_COLUMNS, _FALLBACK_ROWS = 100, 24
+# Loss and throughput come before the bar, so a narrow terminal cuts the ETA first, not them.
+_BAR_FORMAT = "{desc} step {n_fmt}/{total_fmt}{postfix} |{bar}| [{elapsed}<{remaining}, {rate_fmt}]"
+
+
+def interactive_terminal(
+    is_main: bool,
+    *,
+    streams: Sequence[Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> bool:
+    """Whether this process should draw a live progress bar.
+
+    True only on the main process, when stdout and stderr are both terminals (the bar draws on
+    stderr, log lines go to stdout: with either one redirected to a file, that file gets plain
+    lines), ``TERM`` is not ``dumb``, and the process runs neither under torchrun nor in CI
+    (``CI`` set to anything but ``""``, ``0`` or ``false``).
+
+    Args:
+        is_main: whether this is the process that reports (rank 0).
+        streams: the streams that must be terminals (default: ``sys.stdout`` and ``sys.stderr``).
+        environ: the environment to read (default: ``os.environ``).
+    """
+    env = os.environ if environ is None else environ
+    if not is_main:
+        return False
+    if env.get("CI", "").strip().lower() not in ("", "0", "false"):
+        return False
+    if any(name in env for name in _TORCHRUN_VARS):
+        return False
+    if env.get("TERM") == "dumb":
+        return False
+    return all(_isatty(s) for s in (streams if streams is not None else (sys.stdout, sys.stderr)))
+
+
+@dataclasses.dataclass(frozen=True)
+class IntervalStats:
+    """What one log interval measured, for the line, the bar and TensorBoard."""
+
+    step: int  # step within the epoch (1-based) the read was taken at
+    epoch_loss: float  # mean training loss over the epoch's steps so far
+    interval_loss: float  # mean training loss over the steps since the previous read
+    samples_per_s: float  # samples since the previous read over host time since then
+    nonfinite: int  # steps of this epoch so far whose loss or gradient norm was NaN/Inf
+
+
+class EpochProgress:
+    """One epoch's progress: ``advance`` every step, ``report`` at each log interval, ``close``.
+
+    Args:
+        epoch: the epoch number shown.
+        num_steps: steps in the epoch.
+        start_step: the last step already done (non-zero when resuming inside the epoch).
+        samples_per_step: samples one step consumes over all devices (the global batch).
+        interactive: draw a bar (see :func:`interactive_terminal`) instead of logging lines.
+        log: where plain lines go, e.g. the Trainer's rank-0 ``logger.info``.
+        start_loss_sum: the epoch's loss sum at ``start_step`` (from a checkpoint), so the
+            first interval after a resume reports its own mean; ``None`` with ``start_step`` > 0
+            makes that first interval report the epoch mean instead.
+        stream: where the bar draws (default: ``sys.stderr``).
+
+    Example:
+        >>> with EpochProgress(1, 100, 0, samples_per_step=256, interactive=False, log=print) as p:
+        ...     for step in range(1, 101):
+        ...         p.advance(step)
+        ...         if step % 50 == 0:
+        ...             p.report(step, loss_sum=0.7 * step, nonfinite=0)
+    """
+
+    def __init__(
+        self,
+        epoch: int,
+        num_steps: int,
+        start_step: int,
+        *,
+        samples_per_step: int,
+        interactive: bool,
+        log: Callable[[str], None],
+        start_loss_sum: float | None = None,
+        stream: IO[str] | None = None,
+    ) -> None:
+        self.epoch = epoch
+        self.num_steps = num_steps
+        self._samples_per_step = samples_per_step
+        self._log = log
+        self._last_step = start_step
+        self._last_sum = 0.0 if start_step == 0 else start_loss_sum
+        self._last_time = time.perf_counter()
+        self._stack = contextlib.ExitStack()
+        self._bar: Any = None
+        if interactive:
+            # The terminal bar, not tqdm.auto: notebooks get plain lines (their stdout is no tty).
+            from tqdm.contrib.logging import logging_redirect_tqdm
+            from tqdm.std import tqdm as std_tqdm
+
+            file = stream if stream is not None else sys.stderr
+            # A terminal that reports no size (some containers' ptys) would otherwise get no bar:
+            # tqdm draws nothing on a screen it computes as -1 rows high.
+            sized = _columns(file) > 0
+            self._bar = std_tqdm(
+                total=num_steps, initial=start_step, desc=f"epoch {epoch}", unit="step", leave=False,
+                dynamic_ncols=sized, ncols=None if sized else _FALLBACK_COLUMNS,
+                nrows=None if sized else _FALLBACK_ROWS, file=file, bar_format=_BAR_FORMAT,
+            )
+            self._stack.callback(self._bar.close)
+            # Messages logged while the bar is up are written above it instead of through it.
+            self._stack.enter_context(logging_redirect_tqdm(loggers=_console_loggers(), tqdm_class=std_tqdm))
+
+    @property
+    def interactive(self) -> bool:
+        """Whether a bar is drawn."""
+        return self._bar is not None
+
+    def advance(self, step: int) -> None:
+        """Move the bar to ``step`` (host bookkeeping only; nothing is read from the device)."""
+        if self._bar is not None and step > self._bar.n:
+            self._bar.update(step - self._bar.n)
+
+    def report(self, step: int, *, loss_sum: float, nonfinite: float) -> IntervalStats:
+        """Show one log interval, measured from the host values of a deferred read.
+
+        Args:
+            step: the step (within the epoch) the read was taken at.
+            loss_sum: the epoch's loss summed over its steps 1..``step`` (mean over devices).
+            nonfinite: how many of those steps had a NaN/Inf loss or gradient norm.
+
+        Returns:
+            The interval's numbers, for TensorBoard.
+        """
+        now = time.perf_counter()
+        done = step - self._last_step
+        rate = done * self._samples_per_step / max(now - self._last_time, 1e-9)
+        epoch_loss = loss_sum / step
+        interval_loss = (loss_sum - self._last_sum) / done if self._last_sum is not None and done > 0 else epoch_loss
+        self._last_step, self._last_sum, self._last_time = step, loss_sum, now
+        bad = int(nonfinite)
+        stats = IntervalStats(step, epoch_loss, interval_loss, rate, bad)
+        note = f"  ({bad} non-finite steps)" if bad > 0 else ""
+        if self._bar is not None:
+            self._bar.set_postfix_str(f"loss {epoch_loss:.4f}, {rate:,.0f} samples/s{note}", refresh=False)
+            self.advance(step)
+            self._bar.refresh()
+        else:
+            self._log(
+                f"  epoch {self.epoch} step {step}/{self.num_steps}  loss {epoch_loss:.4f}  {rate:,.0f} samples/s{note}"
+            )
+        return stats
+
+    def close(self) -> None:
+        """Remove the bar and put logging back as it was; later calls do nothing."""
+        self._stack.close()
+        self._bar = None
+
+    def __enter__(self) -> EpochProgress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _columns(stream: Any) -> int:
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (AttributeError, ValueError, OSError):
+        return 0
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):  # closed, detached or not a file at all
+        return False
+
+
+def _console_loggers() -> list[logging.Logger]:
+    """The loggers whose terminal handlers must write around the bar.
+
+    Only loggers that have such a handler: the redirect gives every logger it is handed a
+    handler, which would print a message a second time on a logger that propagates it anyway.
+    """
+    def on_console(handler: logging.Handler) -> bool:
+        return isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stdout, sys.stderr)
+
+    candidates = (logging.getLogger(LOGGER_NAME), logging.getLogger())
+    return [lg for lg in candidates if any(on_console(h) for h in lg.handlers)]

@@ -1,0 +1,153 @@
+"""Progress: a bar drawn in a real pseudo-terminal, plain lines through a pipe, and the numbers
+each log interval reports."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import pty
+import re
+import struct
+import subprocess
+import sys
+import termios
+import time
+
+import pytest
+from conftest import SCRIPTS, script_env
+
+from xlatrain.progress import EpochProgress, interactive_terminal
+
+LINE = re.compile(r"  epoch (\d+) step (\d+)/(\d+)  loss (\d+\.\d{4})  ([\d,]+) samples/s")
+
+
+def _env_without_launchers() -> dict[str, str]:
+    env = script_env({"TERM": "xterm"})
+    for name in ("CI", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"):
+        env.pop(name, None)
+    return env
+
+
+def _run_in_pty(args: list[str], columns: int | None) -> str:
+    """Run the progress script with one pseudo-terminal as stdout and stderr; return all it drew."""
+    main_fd, child_fd = pty.openpty()
+    if columns is not None:
+        fcntl.ioctl(child_fd, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPTS / "progress_bar.py"), *args],
+        stdin=subprocess.DEVNULL, stdout=child_fd, stderr=child_fd, env=_env_without_launchers(),
+    )
+    os.close(child_fd)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(main_fd, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(main_fd)
+    assert proc.wait(timeout=60) == 0, b"".join(chunks).decode(errors="replace")
+    return b"".join(chunks).decode()
+
+
+@pytest.mark.parametrize("columns", [100, None], ids=["sized", "unsized-terminal"])
+def test_bar_in_a_terminal(columns: int | None) -> None:
+    out = _run_in_pty(["20", "5", "0"], columns)
+    assert out.startswith("mode bar\r\n")
+    frames = re.split(r"\r\n|\r|\n", out)
+    bars = [f for f in frames if f.startswith("epoch 3 step ")]
+    # Redrawn in place with carriage returns, step by step to the end of the epoch.
+    assert len(bars) >= 5 and "\r" in out
+    assert any(f.startswith("epoch 3 step 20/20") for f in bars)
+    # Loss and samples/s of the last read, the bar's own rate and the ETA.
+    full = re.compile(r"epoch 3 step 15/20, loss 0\.5000, [\d,]+ samples/s "
+                      r"\|.*\| \[\d\d:\d\d<\d\d:\d\d, [\d.]+step/s\]")
+    assert any(full.match(f) for f in bars), bars
+    # Before the first read there is no loss yet: rate and ETA are unknown at step 0.
+    assert re.fullmatch(r"epoch 3 step 0/20 \| +\| \[00:00<\?, \?step/s\]", bars[0]), bars[0]
+    # A message logged under the bar clears it and gets a line of its own; the bar comes back.
+    at = out.index("checkpoint written mid-epoch")
+    assert re.search(r"\r +\r$", out[:at]) and out[at:].startswith("checkpoint written mid-epoch\r\n\repoch 3 step")
+    # No plain interval lines in a terminal, and the closed bar is wiped before the epoch line.
+    assert not LINE.search(out)
+    assert re.search(r"\r +\repoch 3/3  train_loss 0\.5000\r\n$", out)
+
+
+def test_bar_resumed_inside_the_epoch_starts_at_its_step() -> None:
+    out = _run_in_pty(["20", "5", "12"], 100)
+    bars = [f for f in re.split(r"\r\n|\r|\n", out) if f.startswith("epoch 3 step ")]
+    assert bars[0].startswith("epoch 3 step 12/20 ")
+    assert any(f.startswith("epoch 3 step 15/20, loss 0.5000,") for f in bars)
+
+
+def test_piped_output_is_plain_lines() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / "progress_bar.py"), "20", "5", "0"],
+        stdin=subprocess.DEVNULL, capture_output=True, text=True, env=_env_without_launchers(), timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == "" and "\r" not in proc.stdout
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "mode lines"
+    assert lines[-1] == "epoch 3/3  train_loss 0.5000"
+    intervals = [LINE.fullmatch(line) for line in lines[1:-1] if line != "checkpoint written mid-epoch"]
+    assert all(intervals) and [int(m.group(2)) for m in intervals] == [5, 10, 15]
+    assert lines.index("checkpoint written mid-epoch") == 3  # logged after step 10's line
+
+
+def test_interactive_only_on_the_main_process_in_a_terminal() -> None:
+    main_fd, child_fd = pty.openpty()
+    read_fd, write_fd = os.pipe()
+    with os.fdopen(child_fd, "w") as tty, os.fdopen(write_fd, "w") as pipe:
+        assert interactive_terminal(True, streams=[tty, tty], environ={})
+        assert not interactive_terminal(False, streams=[tty, tty], environ={})
+        assert not interactive_terminal(True, streams=[tty, pipe], environ={})
+        assert not interactive_terminal(True, streams=[tty, tty], environ={"CI": "true"})
+        assert interactive_terminal(True, streams=[tty, tty], environ={"CI": "false"})
+        assert not interactive_terminal(True, streams=[tty, tty], environ={"TORCHELASTIC_RUN_ID": "x"})
+        assert not interactive_terminal(True, streams=[tty, tty], environ={"TERM": "dumb"})
+    assert not interactive_terminal(True, streams=[tty, tty], environ={})  # closed streams
+    os.close(main_fd)
+    os.close(read_fd)
+
+
+def test_lines_carry_the_epoch_mean_and_a_rate_no_faster_than_the_steps() -> None:
+    lines: list[str] = []
+    progress = EpochProgress(2, 30, 0, samples_per_step=64, interactive=False, log=lines.append)
+    started = time.perf_counter()
+    losses = [1.0] * 10 + [0.5] * 10
+    stats = []
+    for step in range(1, 21):
+        time.sleep(0.01)
+        progress.advance(step)
+        if step % 10 == 0:
+            stats.append(progress.report(step, loss_sum=sum(losses[:step]), nonfinite=0))
+    elapsed = time.perf_counter() - started
+    progress.close()
+    assert [LINE.fullmatch(line).group(1, 2, 3, 4) for line in lines] == [  # type: ignore[union-attr]
+        ("2", "10", "30", "1.0000"), ("2", "20", "30", "0.7500"),
+    ]
+    assert [s.epoch_loss for s in stats] == [1.0, 0.75]
+    assert [s.interval_loss for s in stats] == [1.0, 0.5]
+    # The rate counts the samples since the last read over the time since then: both reads
+    # cover 10 steps of at least 10 ms, so neither can exceed 64 samples per 10 ms.
+    assert all(0 < s.samples_per_s <= 6400 for s in stats)
+    assert sum(10 * 64 / s.samples_per_s for s in stats) <= elapsed
+
+
+def test_first_interval_after_a_resume_uses_the_checkpointed_sum() -> None:
+    lines: list[str] = []
+    resumed = EpochProgress(1, 40, 10, samples_per_step=8, interactive=False, log=lines.append, start_loss_sum=10.0)
+    stats = resumed.report(20, loss_sum=15.0, nonfinite=0)
+    assert (stats.epoch_loss, stats.interval_loss) == (0.75, 0.5)
+    unknown = EpochProgress(1, 40, 10, samples_per_step=8, interactive=False, log=lines.append)
+    assert unknown.report(20, loss_sum=15.0, nonfinite=0).interval_loss == 0.75
+
+
+def test_non_finite_steps_are_named_in_the_line() -> None:
+    lines: list[str] = []
+    progress = EpochProgress(1, 40, 0, samples_per_step=8, interactive=False, log=lines.append)
+    assert progress.report(10, loss_sum=5.0, nonfinite=3.0).nonfinite == 3
+    assert lines[0].endswith("samples/s  (3 non-finite steps)")
