@@ -13,8 +13,11 @@ logging settings, so it changes no logging configuration and prints nothing:
   compiling: the reason, and the user's stack as ``FrameSummary`` objects (file, line, function).
 - ``torch._dynamo.utils.counters["stats"]["unique_graphs"]``: graphs handed to the backend.
 
-A step that compiles nothing runs no code of this module, so the steady state costs nothing. Torch
-2.9 keeps the same registries; ``torch._dynamo`` is imported only by :meth:`CompileWatch.start`.
+A step that compiles nothing runs no code of this module, so the steady state costs nothing.
+``torch._dynamo`` is imported by :meth:`CompileWatch.start`, not at import. Torch 2.9 keeps the same
+registries, with two differences: a guard failure names the user's line only in its comment (read
+here too), and a function dynamo gives up on (a graph break inside a loop) is recorded as compiled,
+without a reason, so there that skip goes unreported.
 
 Example::
 
@@ -172,13 +175,13 @@ class CompileWatch:
         self._graphs_before = 0
         self._graphs = 0
         self._period = 0
+        self._marks = {"graphs": 0}
         self._epochs: list[int] = []  # epoch number of each period that ended
         self._first_epoch = 1
         self._frames: dict[str, tuple[str, str, int]] = {}  # frame id -> (function, file, first line)
         self._compiles: list[_Compile] = []
         self._breaks: dict[tuple[str, str, int], _Break] = {}
-        self._compile_s = 0.0
-        self._marks = {"graphs": 0, "compile_s": 0.0}
+        self._seconds: dict[int, float] = {}  # compile seconds per period, backward graphs included
         self._lost = False
         self._reset_seen = False
 
@@ -253,9 +256,9 @@ class CompileWatch:
             "recompilations": sum(1 for c in compiles if c.recompile),
             "graphs": self._graphs - self._marks["graphs"],
             "graph_breaks": sum(b.periods.count(period) for b in self._breaks.values()),
-            "compile_s": round(self._compile_s - self._marks["compile_s"], 3),
+            "compile_s": round(self._seconds.get(period, 0.0), 3),
         }
-        self._marks = {"graphs": self._graphs, "compile_s": self._compile_s}
+        self._marks = {"graphs": self._graphs}
         self._epochs.append(epoch)
         self._period += 1
         return row
@@ -308,10 +311,11 @@ class CompileWatch:
     def _read_record(self, record: Any) -> None:
         if getattr(record, "is_forward", True) is False:
             # The backward graph, compiled at the first backward(): its time only.
-            self._compile_s += (getattr(record, "backward_cumulative_compile_time_us", None) or 0) / 1e6
+            backward_us = getattr(record, "backward_cumulative_compile_time_us", None) or 0
+            self._seconds[self._period] = self._seconds.get(self._period, 0.0) + backward_us / 1e6
             return
         seconds = float(getattr(record, "entire_frame_compile_time_s", None) or 0.0)
-        self._compile_s += seconds
+        self._seconds[self._period] = self._seconds.get(self._period, 0.0) + seconds
         self._remember_frame(record)
         compile_id = str(getattr(record, "compile_id", "") or "")
         reason = getattr(record, "recompile_reason", None)
@@ -557,7 +561,7 @@ class CompileWatch:
         if warm:
             modes = sum(1 for c in warm if c.recompile and _parse_guard(c.reason)["kind"] == "mode")
             out.append(
-                f"torch.compile warm-up: {len(warm)} compilation(s), {sum(c.seconds for c in warm):.1f} s"
+                f"torch.compile warm-up: {len(warm)} compilation(s), {self._seconds.get(0, 0.0):.1f} s"
                 + (f"; {modes} of them for evaluation (grad mode or model.eval()), as a clean run does"
                    if modes else "")
             )
@@ -591,7 +595,7 @@ class CompileWatch:
             "graph_break_sites": len(self._breaks),
             "recompile_limit_hits": sum(1 for c in compiles if c.kind == "limit"),
             "skipped": sum(1 for c in compiles if c.kind == "skipped"),
-            "compile_s": round(self._compile_s, 3),
+            "compile_s": round(sum(self._seconds.values()), 3),
             "events": [
                 {"epoch": self._epoch_of(c.period), "warm_up": c.period == 0, "compile_id": c.compile_id,
                  "kind": c.kind, "function": c.function,
