@@ -300,6 +300,37 @@ def test_what_compiled_before_start_is_not_counted():
     assert watch.findings() == [] and watch.summary()["graphs"] == 0
 
 
+def test_compilations_past_dynamos_ring_of_metrics_are_all_counted():
+    from torch._dynamo import utils
+
+    ring = utils._compilation_metrics.maxlen
+    utils.set_compilation_metrics_limit(2)  # dynamo keeps the last 2 instead of 64
+    try:
+        model = Stepped()
+        compiled = torch.compile(model, backend=BACKEND)
+        with CompileWatch() as watch:
+            for k in range(6):
+                model.k = k
+                steps(compiled, [8])
+    finally:
+        utils.set_compilation_metrics_limit(ring)
+    summary = watch.summary()
+    assert (summary["compilations"], summary["recompilations"]) == (6, 5)
+    assert "compiled for self.k == 0, 1, 2, 3, 4," in watch.findings()[0].evidence
+    assert watch.notes()[0].startswith("torch.compile warm-up: 6 compilation(s)")
+    assert not any("could not be read" in note for note in watch.notes())
+
+
+def test_a_dynamo_reset_during_the_run_does_not_stop_the_watch():
+    with CompileWatch() as watch:
+        steps(torch.compile(Plain(), backend=BACKEND), [8])
+        torch._dynamo.reset()  # drops dynamo's callbacks and its list of graph breaks
+        steps(torch.compile(PrintsInForward(), backend=BACKEND), [8])
+    (finding,) = watch.findings()
+    assert finding.code == "graph-break" and f"{HERE}:{line_of(PrintsInForward, 'print(')}" in finding.title
+    assert any("torch._dynamo.reset()" in note for note in watch.notes())
+
+
 def test_collection_runs_no_code_after_warm_up_and_leaves_torch_as_it_was():
     handler = torch._dynamo.callback_handler
     callbacks = list(handler.start_callbacks)
