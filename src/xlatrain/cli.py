@@ -36,9 +36,15 @@ def _fit(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from xlatrain.report import write_report
+    from xlatrain.report import write_comparison, write_report
 
-    out = write_report(args.run_dir)
+    try:
+        if len(args.run_dirs) == 1:
+            out = write_report(args.run_dirs[0], args.out)
+        else:
+            out = write_comparison(args.run_dirs, args.out)
+    except FileNotFoundError as exc:  # a path that is not a run directory: user input, not a crash
+        raise ValueError(str(exc)) from None
     print(f"wrote {out}")
     return 0
 
@@ -78,8 +84,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_doctor_parser(sub)
     add_pack_parser(sub)
 
-    report = sub.add_parser("report", help="plots and a markdown summary of a run directory")
-    report.add_argument("run_dir")
+    report = sub.add_parser(
+        "report",
+        help="plots and a markdown summary of a run directory, or of several side by side",
+        description="One RUN_DIR: its loss, metric, learning-rate and timing plots and summary.md in "
+        "RUN_DIR/report/. Several: their curves overlaid on shared axes, each run named by its "
+        "directory and the config keys where the runs differ, with a table of best metrics and "
+        "times, in FIRST_RUN_DIR/report/compare/ (or --out).",
+    )
+    report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (each holds history.json)")
+    report.add_argument(
+        "--out", metavar="DIR", default=None,
+        help="write here instead (default: RUN_DIR/report/, or FIRST_RUN_DIR/report/compare/ for several runs)",
+    )
     report.set_defaults(func=_report)
     return parser
 
