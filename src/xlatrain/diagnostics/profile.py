@@ -352,17 +352,19 @@ class StepTrace:
         atomic_write_text(self.out_dir / "summary.md", render_summary(summary))
 
 
-def render_summary(summary: dict[str, Any], *, heading: str = "#", top: int = _TOP_SHOWN) -> str:
+def render_summary(summary: dict[str, Any], *, heading: str = "#", top: int = _TOP_SHOWN, profile_dir: str = "") -> str:
     """Markdown for a profile summary (``StepTrace.close()``'s dict, or ``profile/summary.json``).
 
     Args:
         summary: the summary dict.
         heading: the heading level to write at (``"##"`` inside another report).
         top: how many ops to list.
+        profile_dir: the ``profile/`` directory as seen from where the markdown is written
+            (``"../profile/"`` from ``RUN_DIR/report/``); the trace is named relative to it.
     """
     first, last = summary["steps"]
     lines = [f"{heading} Profile of training steps {first}-{last} ({summary['backend']})", ""]
-    trace = summary["trace"]
+    trace = profile_dir + summary["trace"]
     if summary["backend"] == "xla":
         lines.append(
             f"- trace: `{trace}` (TensorBoard's profile plugin or xprof: `tensorboard --logdir RUN_DIR/profile`; "
