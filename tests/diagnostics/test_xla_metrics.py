@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from xlatrain.diagnostics.xla_metrics import diff
+from xlatrain.diagnostics.xla_metrics import compilation_analyses, debug_file, diff
 
 
 def test_diff_subtracts_numbers_and_keeps_only_changed_ops():
@@ -27,6 +27,72 @@ def test_diff_of_something_that_is_not_a_snapshot_says_what_to_pass():
         diff({}, {"device": "xla:0"})
 
 
+# Two compilations as torch_xla 2.9 writes them with PT_XLA_DEBUG_LEVEL=1 (paths shortened), with
+# the post-compilation lines that follow each.
+_ANALYSES = """
+Compilation Analysis: ================================================================================
+Compilation Analysis: Compilation Cause
+Compilation Analysis:   user torch_xla.sync
+Compilation Analysis: Graph Info: 
+Compilation Analysis:   Graph Hash: 788ff11b4f6e3037acc1458b62edd227
+Compilation Analysis:   Number of Graph Inputs: 17
+Compilation Analysis:   Number of Graph Outputs: 13
+Compilation Analysis: Python Frame Triggered Execution: 
+Compilation Analysis:   sync (/site-packages/torch_xla/torch_xla.py:87)
+Compilation Analysis:   step_end (/src/xlatrain/backend/xla.py:210)
+Compilation Analysis:   ..........
+Compilation Analysis: --------------------------------------------------------------------------------
+Compilation Analysis: ================================================================================
+
+Computation hash: eec98bd8105b673fff33df51bfe55926
+
+Post Compilation Analysis: ================================================================================
+Post Compilation Analysis: Graph input size: 0.000000 GB
+Post Compilation Analysis: --------------------------------------------------------------------------------
+Compilation Analysis: ================================================================================
+Compilation Analysis: Compilation Cause
+Compilation Analysis:   most likely user code trying to access tensor value before torch_xla.sync
+Compilation Analysis: Graph Info: 
+Compilation Analysis:   Graph Hash: 66e131cc8feed9deb3cfd13b3b00e372
+Compilation Analysis:   Number of Graph Inputs: 6
+Compilation Analysis:   Number of Graph Outputs: 1
+Compilation Analysis: Python Frame Triggered Execution: 
+Compilation Analysis:   item_loss (/home/me/train.py:57)
+Compilation Analysis:   _train_epoch (/src/xlatrain/train/trainer.py:356)
+Compilation Analysis: --------------------------------------------------------------------------------
+"""
+
+
+def test_compilation_analyses_are_read_in_order_with_cause_inputs_and_frames():
+    first, second = compilation_analyses(_ANALYSES)
+    assert first == {
+        "cause": "user torch_xla.sync", "graph_hash": "788ff11b4f6e3037acc1458b62edd227", "graph_inputs": 17,
+        "graph_outputs": 13, "frames": ["sync (/site-packages/torch_xla/torch_xla.py:87)",
+                                        "step_end (/src/xlatrain/backend/xla.py:210)"],
+    }
+    assert second["cause"].startswith("most likely user code trying to access tensor value")
+    assert (second["graph_inputs"], second["frames"][0]) == (6, "item_loss (/home/me/train.py:57)")
+    assert compilation_analyses("Post Compilation Analysis: Graph input size: 0 GB\nunrelated\n") == []
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({"PT_XLA_DEBUG_LEVEL": "1", "PT_XLA_DEBUG_FILE": "/tmp/x.txt"}, "/tmp/x.txt"),
+        ({"PT_XLA_DEBUG_LEVEL": "2", "PT_XLA_DEBUG_FILE": "/tmp/x.txt"}, "/tmp/x.txt"),
+        ({"PT_XLA_DEBUG_LEVEL": "0", "PT_XLA_DEBUG_FILE": "/tmp/x.txt"}, None),  # no analysis written
+        ({"PT_XLA_DEBUG_LEVEL": "1"}, None),  # written to stderr
+        ({"PT_XLA_DEBUG_FILE": "/tmp/x.txt"}, None),
+    ],
+)
+def test_debug_file_is_known_only_when_torch_xla_writes_its_analysis_there(monkeypatch, env, expected):
+    for name in ("PT_XLA_DEBUG_LEVEL", "PT_XLA_DEBUG_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert debug_file() == expected
+
+
 # One .item() per step is one device-to-host transfer per step; linalg.eig has no XLA lowering
 # and runs on the CPU. Run in a child so the runtime and its metrics start from zero.
 _SCRIPT = textwrap.dedent(
@@ -39,15 +105,18 @@ _SCRIPT = textwrap.dedent(
     w = torch.randn(8, 8, device=device)
     torch_xla.sync()
     start = xla_metrics.snapshot()
+    counters = [xla_metrics.step_counters()]
     for step in range(5):
         w = w * 0.5 + 1.0
         torch_xla.sync()
         w.sum().item()
+        counters.append(xla_metrics.step_counters())
     loop = xla_metrics.snapshot()
     torch.linalg.eig(torch.randn(4, 4, device=device))
     torch_xla.sync()
     end = xla_metrics.snapshot()
-    print("RESULT " + json.dumps({"loop": xla_metrics.diff(start, loop), "eig": xla_metrics.diff(loop, end), "end": end}))
+    print("RESULT " + json.dumps({"loop": xla_metrics.diff(start, loop), "eig": xla_metrics.diff(loop, end), "end": end,
+                                  "counters": counters}))
     """
 )
 
@@ -69,6 +138,12 @@ def test_item_per_step_and_cpu_fallback_show_in_the_metrics():
     assert loop["cpu_fallback_ops"] == {}  # .item() is a read, not a missing lowering
     assert 1 <= loop["compile_count"] <= 4 and loop["compile_s"] > 0
     assert loop["execute_count"] >= 5
+    # Per step, without a metric read: which steps compiled (the first two: the update graph, then
+    # the .item() sum) and one scalar read each.
+    compiled, reads = zip(*result["counters"])
+    steps = [(compiled[i + 1] - compiled[i], reads[i + 1] - reads[i]) for i in range(5)]
+    assert [r for _, r in steps] == [1] * 5
+    assert sum(c for c, _ in steps) == loop["compile_count"] and all(c == 0 for c, _ in steps[2:])
 
     assert eig["cpu_fallback_ops"].get("aten::linalg_eig", 0) >= 1
     assert "aten::linalg_eig" in end["fallback_ops"]

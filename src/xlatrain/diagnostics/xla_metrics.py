@@ -17,6 +17,7 @@ Example (on any PJRT device, ``PJRT_DEVICE=CPU`` included)::
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 # torch_xla runs ``.item()`` / ``float(t)`` / ``bool(t)`` on a device tensor through the
@@ -73,6 +74,96 @@ def snapshot() -> dict[str, Any]:
     snap["cpu_fallback_ops"] = {n: c for n, c in fallbacks.items() if n != SCALAR_READ_OP}
     snap["scalar_reads"] = fallbacks.get(SCALAR_READ_OP, 0)
     return snap
+
+
+def step_counters() -> tuple[int, int]:
+    """Graphs compiled and ``.item()``-style reads so far in this process: ``(compiled, reads)``.
+
+    Cheap enough to call at every step: two counter lookups (a fraction of a microsecond each),
+    where reading a metric copies its sample ring (about 60 microseconds once it holds a thousand
+    samples). ``compiled`` counts graphs the process had not compiled before (a persistent-cache
+    load included); ``reads`` counts ``.item()``, ``float(t)``, ``bool(t)`` and ``int(t)`` on a
+    device tensor. Other host reads (``print(t)``, ``t.cpu()``) show only in ``snapshot()``.
+    """
+    import torch_xla.debug.metrics as met
+
+    return int(met.counter_value("UncachedCompile") or 0), int(met.counter_value(SCALAR_READ_OP) or 0)
+
+
+def compile_seconds() -> float:
+    """Seconds spent compiling so far in this process."""
+    import torch_xla.debug.metrics as met
+
+    data = met.metric_data("CompileTime")
+    return float(data[1]) / 1e9 if data else 0.0
+
+
+def is_spmd() -> bool:
+    """True when this process runs torch_xla's SPMD mode (its programs are partitioned by GSPMD)."""
+    import torch_xla.runtime as xr
+
+    return bool(xr.is_spmd())
+
+
+def debug_file() -> str | None:
+    """The file torch_xla writes a "Compilation Analysis" to at each compilation, if it does.
+
+    torch_xla reads ``PT_XLA_DEBUG_LEVEL`` (1 or more: analyse each compilation) and
+    ``PT_XLA_DEBUG_FILE`` (append there instead of stderr) once, when the process starts.
+    """
+    level = os.environ.get("PT_XLA_DEBUG_LEVEL", "0").strip()
+    path = os.environ.get("PT_XLA_DEBUG_FILE")
+    return path if level.isdigit() and int(level) >= 1 and path else None
+
+
+_ANALYSIS = "Compilation Analysis: "  # "Post Compilation Analysis: " lines start with "Post"
+_FIELDS = {"Graph Name": "graph_name", "Graph Hash": "graph_hash", "Number of Graph Inputs": "graph_inputs",
+           "Number of Graph Outputs": "graph_outputs"}
+
+
+def compilation_analyses(text: str) -> list[dict[str, Any]]:
+    r"""torch_xla's "Compilation Analysis" blocks (``PT_XLA_DEBUG_LEVEL=1``), one per compilation.
+
+    Each block becomes ``{"cause", "graph_hash", "graph_inputs", "graph_outputs", "frames"}``
+    (``graph_name`` too when the program set one); ``frames`` are the Python frames that triggered
+    the compilation, innermost first, as torch_xla wrote them (``"fn (path:line)"``).
+
+    Example:
+        >>> text = "\n".join("Compilation Analysis: " + line for line in (
+        ...     "Compilation Cause", "  user torch_xla.sync", "Graph Info: ", "  Graph Hash: 3f",
+        ...     "  Number of Graph Inputs: 12", "  Number of Graph Outputs: 13",
+        ...     "Python Frame Triggered Execution: ", "  step_end (xla.py:210)", "-----"))
+        >>> compilation_analyses(text)[0]["graph_inputs"]
+        12
+    """
+    blocks: list[dict[str, Any]] = []
+    block: dict[str, Any] | None = None
+    expect_cause = in_frames = False
+    for raw in text.splitlines():
+        if not raw.startswith(_ANALYSIS):
+            continue
+        line = raw[len(_ANALYSIS):].strip()
+        if line == "Compilation Cause":
+            block = {"cause": "", "frames": []}
+            blocks.append(block)
+            expect_cause, in_frames = True, False
+        elif block is None:
+            continue
+        elif expect_cause:
+            block["cause"], expect_cause = line, False
+        elif line.startswith("Python Frame Triggered Execution"):
+            in_frames = True
+        elif line.startswith(("---", "===", "....")):
+            in_frames = False
+        elif in_frames:
+            block["frames"].append(line)
+        else:
+            name, _, value = line.partition(":")
+            key = _FIELDS.get(name.strip())
+            if key is not None:
+                value = value.strip()
+                block[key] = int(value) if key in ("graph_inputs", "graph_outputs") and value.isdigit() else value
+    return blocks
 
 
 def diff(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
