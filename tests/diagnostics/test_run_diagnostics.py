@@ -1,12 +1,34 @@
-"""Run diagnostics on real XLA:CPU: a bad loop is explained, a good one gets a clean bill."""
+"""Run diagnostics: each cause planted in a real fit is named with its epoch, step, graph and cause.
 
+The XLA tests fit on real XLA:CPU in fresh processes (tests/scripts/diag_fit.py, bad_loop.py);
+the platform rules and the Backend contract are tested in the current-torch environment.
+"""
+
+import json
+import re
 import sys
 
 import pytest
 
 from conftest import SCRIPTS, run_command, run_script
+from xlatrain.diagnostics.run import INPUT_BOUND_SHARE, RunDiagnostics
 
 ENV = {"PJRT_DEVICE": "CPU"}
+
+
+def _fit(tmp_path, name, cause, accelerator="xla", env=None):
+    """Run diag_fit.py; returns (diagnostics.json, the report's console lines)."""
+    args = [sys.executable, str(SCRIPTS / "diag_fit.py"), str(tmp_path / name), cause, accelerator]
+    proc = run_command(args, env={**ENV, "XLATRAIN_CACHE_DIR": str(tmp_path / "cache"), **(env or {})})
+    lines = [ln[len("REPORT "):] for ln in proc.stdout.splitlines() if ln.startswith("REPORT ")]
+    history = [ln for ln in proc.stdout.splitlines() if ln.startswith("HISTORY ")]
+    return json.loads(history[0][len("HISTORY "):]), lines
+
+
+def _finding(report, code):
+    found = [f for f in report["findings"] if f["code"] == code]
+    assert found, f"no {code} finding in {report['findings']}"
+    return found[0]
 
 
 @pytest.mark.xla
@@ -14,10 +36,14 @@ def test_a_bad_loop_names_each_cause_and_a_good_loop_is_clean(tmp_path):
     bad = run_script([sys.executable, str(SCRIPTS / "bad_loop.py"), str(tmp_path / "bad"), "bad"], env=ENV)
     by_code = {f["code"]: f for f in bad["findings"]}
     shape = by_code["input-shape-change"]["evidence"]
-    assert "shape [16, 1, 8, 8] -> [16, 1, 12, 12]" in shape  # the image size that changed
+    assert "train from epoch 1 step 3 (3x): batch tensor 0 shape [16, 1, 8, 8] -> [16, 1, 12, 12]" in shape
     assert "[16] -> [3] (a ragged batch)" in shape  # the short last batch
     sync = by_code["host-sync-per-step"]
     assert sync["title"].startswith("1.0 unplanned device read(s) per step") and ".item()" in sync["evidence"]
+    compiled = by_code["recompilation-after-warmup"]["evidence"]
+    assert "epoch 1, train step 1: 2 graph(s) where a clean run compiles 1" in compiled
+    assert "epoch 1, train step 3: 2 graph(s)" in compiled and "new input shapes" in compiled
+    assert "epoch 1, train step 4: 2 graph(s)" in compiled and "(a ragged batch)" in compiled
     assert not bad["clean"]
 
     good = run_script([sys.executable, str(SCRIPTS / "bad_loop.py"), str(tmp_path / "good"), "good"], env=ENV)
@@ -32,3 +58,114 @@ def test_strict_raises_on_the_bad_loop_only(tmp_path):
     assert "STRICT strict: epoch 2" in bad.stdout and "outside the planned reads" in bad.stdout
     good = run_command([sys.executable, str(SCRIPTS / "bad_loop.py"), str(tmp_path / "good"), "good", "strict"], env=ENV)
     assert "STRICT" not in good.stdout and "HISTORY" in good.stdout
+
+
+@pytest.mark.xla
+def test_a_clean_fit_compiles_only_its_warm_up_and_says_each_notice_once(tmp_path):
+    clean, lines = _fit(tmp_path, "clean", "clean")
+    assert clean["clean"] and clean["findings"] == [], clean["findings"]
+    # Everything compiled in epoch 1, at the places a clean fit compiles: nothing was extra.
+    events = clean["compilations"]
+    assert events and all(e["epoch"] == 1 and e["graphs"] == e["expected"] for e in events), events
+    assert [e["compilations"] for e in clean["epochs"][1:]] == [0, 0]
+    assert any("warm-up:" in n and "train steps 1, 2" in n and "eval steps 1, 2" in n for n in clean["notes"])
+    assert not any("compile cache" in n for n in clean["notes"])  # a fresh cache: written, nothing to load
+
+    # The same fit again, fed by a loader that sleeps: the warm cache cannot load on XLA:CPU, and
+    # the wait for batches is no evidence there.
+    slow, lines = _fit(tmp_path, "slow", "slow")
+    assert slow["input_bound_share"] > INPUT_BOUND_SHARE  # waited most of the time ...
+    assert slow["clean"] and "input-bound" not in {f["code"] for f in slow["findings"]}  # ... and is not judged
+    assert sum("input pipeline: not judged on XLA:CPU" in ln for ln in lines) == 1
+    cache = [ln for ln in lines if "compile cache" in ln]
+    assert len(cache) == 1 and re.search(r"compile cache: \d+ entries could not be loaded on XLA:CPU", cache[0])
+    assert "every run recompiles there" in cache[0]
+    assert sum("GSPMD" in ln for ln in lines) == 1  # said once, not once per compilation
+
+
+@pytest.mark.xla
+def test_a_python_number_that_becomes_a_constant_is_named_with_its_epoch_step_and_graph(tmp_path):
+    report, _ = _fit(tmp_path, "scalar", "scalar")
+    found = _finding(report, "recompilation-after-warmup")
+    assert found["title"].startswith("3 compilation(s) a clean run would not make (3 after epoch 1)")
+    evidence = found["evidence"]
+    # The model's gain turns from 0.5 into 1.0 at training step 3 of epoch 2; the evaluation graph
+    # that follows uses it too (its first two steps: fresh metric sums, then sums as inputs).
+    assert "epoch 2, train step 3: 1 graph(s)" in evidence
+    assert "epoch 2, eval steps 1, 2: 2 graph(s)" in evidence
+    assert "same input shapes and dtypes as the step before" in evidence
+    assert "torch_xla does not say what changed unless the run starts with PT_XLA_DEBUG_LEVEL=1" in evidence
+    assert "PT_XLA_DEBUG_LEVEL=1" in found["fix"]
+
+    # With torch_xla's analysis written to a file, the report reads it and says what changed.
+    debug = tmp_path / "xla_debug.txt"
+    report, _ = _fit(tmp_path, "scalar-debug", "scalar", env={"PT_XLA_DEBUG_LEVEL": "1", "PT_XLA_DEBUG_FILE": str(debug)})
+    evidence = _finding(report, "recompilation-after-warmup")["evidence"]
+    train = re.search(r"epoch 2, train step 3: 1 graph\(s\)[^;]*; same input shapes and dtypes as the step "
+                      r"before; torch_xla's analysis: (\d+) graph inputs where this step's previous graph had "
+                      r"(\d+): 1 value\(s\) sent as graph inputs before are now constants in the graph", evidence)
+    assert train and int(train[1]) == int(train[2]) - 1, evidence
+    assert "epoch 2, eval step 1:" in evidence and "PT_XLA_DEBUG_LEVEL=1" not in evidence
+
+
+@pytest.mark.xla
+def test_item_in_the_loss_is_named_as_the_cause_of_compilations_beyond_warm_up(tmp_path):
+    report, lines = _fit(tmp_path, "item", "item")
+    found = _finding(report, "recompilation-after-warmup")
+    assert found["title"].startswith("1 compilation(s) a clean run would not make (1 in epoch 1 beyond warm-up)")
+    assert ("epoch 1, train step 1: 2 graph(s) where a clean run compiles 1" in found["evidence"]
+            and "the step read a device value 1 time(s) (.item(), float(), bool())" in found["evidence"])
+    assert ".item()" in found["fix"]
+    assert _finding(report, "host-sync-per-step")["title"].startswith("1.0 unplanned device read(s) per step")
+    assert any(ln.startswith("  - 1 compilation(s) a clean run would not make") for ln in lines)
+
+
+@pytest.mark.xla
+def test_a_ragged_batch_is_named_with_the_step_it_compiled_at(tmp_path):
+    report, _ = _fit(tmp_path, "ragged", "ragged")
+    found = _finding(report, "recompilation-after-warmup")
+    assert found["title"].startswith("1 compilation(s) a clean run would not make (1 in epoch 1 beyond warm-up)")
+    assert re.search(r"epoch 1, train step 3: 1 graph\(s\), [\d.]+ s; new input shapes or dtypes: batch tensor 0 "
+                     r"shape \[8, 3, 16, 16\] -> \[3, 3, 16, 16\] \(a ragged batch\)", found["evidence"])
+    assert "Keep every batch one shape" in found["fix"]
+
+
+def test_waiting_for_input_on_the_native_cpu_is_a_finding(tmp_path):
+    slow, _ = _fit(tmp_path, "slow", "slow", accelerator="cpu")
+    found = _finding(slow, "input-bound")
+    assert re.match(r"\d+% of training time waited for input", found["title"]) and "num_workers" in found["fix"]
+    assert slow["notes"] == [] and slow["compilations"] == []
+
+    clean, lines = _fit(tmp_path, "clean", "clean", accelerator="cpu")
+    assert clean["clean"] and clean["findings"] == [] and clean["notes"] == []
+    assert lines == ["diagnostics: clean (no recompilation after warm-up, no unplanned device reads, no CPU "
+                     "fallbacks, not input-bound)"]
+
+
+class _Backend:
+    """What the Backend protocol promises diagnostics, and nothing else (no private fields)."""
+
+    __slots__ = ("name", "platform", "planned_reads", "num_processes")
+
+    def __init__(self, name, platform):
+        self.name, self.platform, self.planned_reads, self.num_processes = name, platform, 0, 1
+
+
+@pytest.mark.parametrize(("name", "platform", "flagged"), [("tpu", "tpu", True), ("cpu", "cpu", False), ("cuda", "cuda", False)])
+def test_a_small_batch_is_judged_by_the_platform_the_backend_reports(name, platform, flagged):
+    diag = RunDiagnostics(_Backend(name, platform), per_device_batch=8, strict=False)
+    diag.end_epoch(1)
+    assert ("small-batch" in {f.code for f in diag.findings()}) is flagged
+
+
+def test_the_native_backend_reports_its_platform_and_planned_reads():
+    import torch
+
+    from xlatrain.backend.native import NativeBackend
+
+    be = NativeBackend("cpu")
+    assert be.platform == "cpu" and be.planned_reads == 0
+    be.defer(lambda t: None, [torch.ones(2)])
+    be.read([torch.ones(2)])
+    be.read([])  # nothing read: not a read
+    assert be.planned_reads == 2

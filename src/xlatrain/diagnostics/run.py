@@ -1,14 +1,18 @@
 """What made this run slow, in words: evidence gathered while training, findings at the end.
 
-Cheap enough to leave on: per batch it compares input shapes (host metadata, no device read)
-and times the wait for the next batch; per epoch it reads torch_xla's counters. At the end of
-``fit`` it prints a short report (rank 0) and writes ``RUN_DIR/diagnostics.json``: each finding
-with its evidence and a fix, or a clean bill.
+Cheap enough to leave on: per batch it compares input shapes (host metadata, no device read),
+times the wait for the next batch and, on XLA, looks up two runtime counters (graphs compiled,
+``.item()``-style reads), which tells which step compiled without touching the device; per epoch
+it reads torch_xla's metrics. At the end of ``fit`` it prints a short report (rank 0) and writes
+``RUN_DIR/diagnostics.json``: each finding with its evidence and a fix, notes on what needs no
+change or could not be judged on this platform, or a clean bill.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -23,8 +27,22 @@ from xlatrain.logs import get_logger
 log = get_logger(__name__)
 
 MAX_CAUSES = 10  # distinct shape changes listed per phase; more are counted, not listed
+MAX_EVENTS = 500  # compilations kept with their step; more are counted, not kept
+MAX_LISTED = 12  # groups of compilations spelled out in a finding; more are counted
 INPUT_BOUND_SHARE = 0.5  # share of epoch time spent waiting for the next batch
 SMALL_TPU_BATCH = 64  # per-core batch below which a TPU core is mostly idle (bf16 MXU tiles)
+# What a clean fit compiles before it settles, counted in each phase's first pass. Measured on
+# XLA:CPU (tests/scripts/diag_fit.py clean and accumulate, one and two devices, checkpoints on):
+# one graph at each of the first two optimizer steps of training and the first two steps of
+# evaluation (the first creates the optimizer state or the metric sums, the second takes them as
+# graph inputs), and what the first epoch's epoch-end reads and metrics build between steps.
+# Allowed besides, not measurable on XLA:CPU: one graph at the first step that makes a planned
+# read, which builds its own graph where it gathers over processes (one process per chip).
+# Everything else is a graph a clean run would not compile.
+WARMUP_STEPS = {"train": 2, "eval": 2}
+# torch_xla 2.9 reads it once, at start: then each compilation prints its cause, graph hash,
+# number of graph inputs and the Python line that triggered it ("Compilation Analysis").
+DEBUG_SETTING = "PT_XLA_DEBUG_LEVEL=1"
 
 
 class DiagnosticsError(RuntimeError):
@@ -42,6 +60,8 @@ class Finding:
 @dataclass
 class _Phase:
     signature: tuple[Any, ...] | None = None
+    seen: set[tuple[Any, ...]] = field(default_factory=set)
+    passes: int = 0
     batches: int = 0
     wait_s: float = 0.0
     changes: list[dict[str, Any]] = field(default_factory=list)
@@ -67,12 +87,35 @@ def _describe_change(old: tuple[Any, ...], new: tuple[Any, ...]) -> str:
     return "; ".join(parts)
 
 
-class RunDiagnostics:
-    """Collects evidence during ``Trainer.fit``; ``finish`` turns it into findings."""
+def _user_frame(frames: list[str]) -> str:
+    """The innermost frame of torch_xla's list that is the user's code: not torch, torch_xla or xlatrain."""
+    library = (os.sep + "torch" + os.sep, os.sep + "torch_xla" + os.sep, os.path.dirname(os.path.dirname(__file__)))
+    for frame in frames:
+        name, _, path = frame.rpartition(" (")
+        if not any(part in path for part in library):
+            return f"{name} ({os.path.basename(path)}"  # "item_loss (train.py:57)"
+    return ""
 
-    def __init__(self, backend: Any, *, per_device_batch: int, strict: bool) -> None:
+
+def _steps(steps: list[int]) -> str:
+    """``[1, 2, 3, 7]`` -> ``"1-3, 7"``."""
+    runs: list[list[int]] = []
+    for s in sorted(steps):
+        if runs and s == runs[-1][-1] + 1:
+            runs[-1].append(s)
+        else:
+            runs.append([s])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 2 else ", ".join(map(str, r)) for r in runs)
+
+
+class RunDiagnostics:
+    """Collects evidence during ``Trainer.fit``; ``finish`` turns it into findings and notes."""
+
+    def __init__(self, backend: Any, *, per_device_batch: int, strict: bool, grad_accum_steps: int = 1) -> None:
         self._backend = backend
+        self._accum = grad_accum_steps
         self._xla = backend.name == "xla"
+        self._platform = backend.platform
         self._strict = strict
         self._per_device_batch = per_device_batch
         self._phases: dict[str, _Phase] = {}
@@ -82,9 +125,24 @@ class RunDiagnostics:
         self._epochs: list[dict[str, Any]] = []
         self._snap = self._snapshot()
         self._first = self._snap
-        self._planned = getattr(backend, "planned_reads", 0)
+        self._planned = backend.planned_reads
         self._wait_mark = 0.0
+        self._epoch = 0  # the epoch being trained (evaluation belongs to it)
+        self._first_epoch: int | None = None  # the first epoch of this fit (later when resumed)
+        self._events: list[dict[str, Any]] = []  # one per place that compiled: step or between steps
+        self._dropped = {"events": 0, "graphs": 0, "unexpected": 0}
+        self._counts = self._counters()
+        self._planned_seen: set[str] = set()  # phases whose first planned read has happened
+        self._compile_s = self._compile_seconds()
+        self._spmd = self._is_spmd()
+        # torch_xla's own analysis of each compilation, when the run asked for it in a file that
+        # only this process writes: (path, size before this fit, graphs compiled before this fit).
+        self._debug: tuple[str, int, int] | None = None
+        path = self._debug_file()
+        if path is not None and backend.num_processes == 1:
+            self._debug = (path, os.path.getsize(path) if os.path.exists(path) else 0, self._counts[0])
 
+    # --- evidence ------------------------------------------------------------------------------
     def _snapshot(self) -> dict[str, Any] | None:
         if not self._xla:
             return None
@@ -92,37 +150,153 @@ class RunDiagnostics:
 
         return xla_metrics.snapshot()
 
-    def timed(self, batches: Iterable[Any], phase: str, epoch: int) -> Iterator[Any]:
-        """Yield ``batches``, timing the wait for each and noting input shape changes."""
+    def _counters(self) -> tuple[int, int]:
+        if not self._xla:
+            return 0, 0
+        from xlatrain.diagnostics import xla_metrics
+
+        return xla_metrics.step_counters()
+
+    def _compile_seconds(self) -> float:
+        if not self._xla:
+            return 0.0
+        from xlatrain.diagnostics import xla_metrics
+
+        return xla_metrics.compile_seconds()
+
+    def _is_spmd(self) -> bool:
+        if not self._xla:
+            return False
+        from xlatrain.diagnostics import xla_metrics
+
+        return xla_metrics.is_spmd()
+
+    def _debug_file(self) -> str | None:
+        if not self._xla:
+            return None
+        from xlatrain.diagnostics import xla_metrics
+
+        return xla_metrics.debug_file()
+
+    def _probe(self, epoch: int, phase: str | None, step: int | None, inputs: dict[str, Any] | None,
+               allowed: float) -> None:
+        """Charge the graphs compiled since the last probe to ``step`` of ``phase`` (None: between
+        steps); ``allowed`` of them are what a clean run compiles there."""
+        if not self._xla:
+            return
+        compiled, reads = self._counters()
+        graphs, step_reads = compiled - self._counts[0], reads - self._counts[1]
+        first_graph = self._counts[0] + 1
+        self._counts = (compiled, reads)
+        if graphs <= 0:
+            return
+        seconds = self._compile_seconds()
+        spent, self._compile_s = seconds - self._compile_s, seconds
+        expected = int(min(graphs, allowed))
+        last = self._events[-1] if self._events else None
+        if last is not None and (last["epoch"], last["phase"], last["step"]) == (epoch, phase, step):
+            last["graphs"] += graphs
+            last["expected"] += expected
+            last["compile_s"] += spent
+            last["reads"] += step_reads
+            return
+        event = {
+            "epoch": epoch, "phase": phase, "step": step, "graphs": graphs, "expected": expected,
+            "compile_s": spent, "reads": step_reads, "inputs": (inputs or {}).get("kind", "between steps"),
+            "input_change": (inputs or {}).get("change", ""), "first_graph": first_graph,
+        }
+        if len(self._events) < MAX_EVENTS:
+            self._events.append(event)
+        else:
+            self._dropped["events"] += 1
+            self._dropped["graphs"] += graphs
+            self._dropped["unexpected"] += graphs - expected
+
+    def _compare(self, state: _Phase, phase: str, epoch: int, step: int, sig: tuple[Any, ...]) -> dict[str, Any]:
+        """How this batch's shapes and dtypes relate to the phase's earlier batches."""
+        if state.signature is None:
+            kind, change = "first", ""
+        elif sig == state.signature:
+            kind, change = "same", ""
+        else:
+            kind = "seen" if sig in state.seen else "new"
+            change = _describe_change(state.signature, sig)
+            state.num_changes += 1
+            seen = next((c for c in state.changes if c["cause"] == change), None)
+            if seen is not None:
+                seen["times"] += 1  # the same change again (e.g. every epoch's last batch)
+            elif len(state.changes) < MAX_CAUSES:
+                state.changes.append({"phase": phase, "epoch": epoch, "step": step, "cause": change, "times": 1})
+        state.seen.add(sig)
+        state.signature = sig
+        return {"kind": kind, "change": change}
+
+    def timed(self, batches: Iterable[Any], phase: str, epoch: int, first_step: int = 1) -> Iterator[Any]:
+        """Yield ``batches``, timing the wait for each and noting input changes and compilations.
+
+        Args:
+            batches: the phase's batches, on the device.
+            phase: ``"train"`` or ``"eval"``: which compiled graph these steps run.
+            epoch: the epoch being trained; 0 means the current one (evaluation inside ``fit``).
+            first_step: the number of the first batch (later than 1 when a run resumes mid-epoch).
+        """
         state = self._phases.setdefault(phase, _Phase())
+        if phase == "train" and epoch:
+            self._epoch = epoch
+        epoch = epoch or self._epoch or 1
+        if self._first_epoch is None:
+            self._first_epoch = epoch
+        state.passes += 1
+        first_pass = state.passes == 1
+        warm_steps = WARMUP_STEPS.get(phase, 1) * (self._accum if phase == "train" else 1)
+        between = math.inf if epoch == self._first_epoch else 0
+        # What compiled since the last probe ran between steps (epoch-end reads, metrics, a checkpoint).
+        self._probe(epoch, None, None, None, between)
         it = iter(batches)
+        step = first_step - 1
+        inputs: dict[str, Any] | None = None
+
+        planned = self._backend.planned_reads
+
+        def allowed() -> int:
+            # A step whose batch has a shape of its own compiles for that reason, whatever else it does.
+            nonlocal planned
+            usual = (inputs or {}).get("kind") in ("first", "same")
+            warm = usual and first_pass and step - first_step < warm_steps
+            first_read = usual and self._backend.planned_reads > planned and phase not in self._planned_seen
+            if first_read:
+                self._planned_seen.add(phase)
+            planned = self._backend.planned_reads
+            return int(warm) + int(first_read)
+
         while True:
             t0 = time.perf_counter()
             try:
                 batch = next(it)
             except StopIteration:
+                if step >= first_step:
+                    self._probe(epoch, phase, step, inputs, allowed())
                 return
             state.wait_s += time.perf_counter() - t0
+            # Graphs compiled since the last probe belong to the previous step: its body ran since,
+            # and the loader's fetch only launches what that step left pending.
+            if step >= first_step:
+                self._probe(epoch, phase, step, inputs, allowed())
+            else:
+                self._probe(epoch, None, None, None, between)
+            step += 1
             state.batches += 1
-            sig = _signature(batch)
-            if state.signature is not None and sig != state.signature:
-                state.num_changes += 1
-                cause = _describe_change(state.signature, sig)
-                seen = next((c for c in state.changes if c["cause"] == cause), None)
-                if seen is not None:
-                    seen["times"] += 1  # the same change again (e.g. every epoch's last batch)
-                elif len(state.changes) < MAX_CAUSES:
-                    state.changes.append({"phase": phase, "epoch": epoch, "batch": state.batches, "cause": cause, "times": 1})
-            state.signature = sig
+            inputs = self._compare(state, phase, epoch, step, _signature(batch))
             if phase == "train":
                 self._train_steps += 1
             yield batch
 
     def end_epoch(self, epoch: int) -> dict[str, Any]:
         """Per-epoch evidence; in strict mode, raise on a recompilation or sync after epoch 1."""
+        self._probe(epoch, None, None, None, math.inf if epoch == (self._first_epoch or epoch) else 0)
         now = time.perf_counter()
         snap = self._snapshot()
-        planned = getattr(self._backend, "planned_reads", 0)
+        planned = self._backend.planned_reads
         train = self._phases.get("train")
         waited = (train.wait_s if train else 0.0) - self._wait_mark
         self._wait_mark += waited
@@ -142,7 +316,7 @@ class RunDiagnostics:
             )
         self._epochs.append(row)
         self._snap, self._planned, self._epoch_started, self._train_steps = snap, planned, now, 0
-        if self._strict and epoch > 1 and snap is not None:
+        if self._strict and epoch > (self._first_epoch or 1) and snap is not None:
             unplanned = row["host_reads"] - row["planned_reads"]
             if row["compilations"] or unplanned > 0:
                 raise DiagnosticsError(
@@ -152,29 +326,173 @@ class RunDiagnostics:
                 )
         return row
 
+    # --- findings ------------------------------------------------------------------------------
+    def _attach_analyses(self) -> str | None:
+        """Give each compilation torch_xla's analysis of it, read from PT_XLA_DEBUG_FILE.
+
+        Returns why they could not be matched to steps, or None.
+        """
+        if self._debug is None:
+            return None
+        from xlatrain.diagnostics import xla_metrics
+
+        path, offset, base = self._debug
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                f.seek(offset)
+                blocks = xla_metrics.compilation_analyses(f.read())
+        except OSError as exc:
+            return f"could not read PT_XLA_DEBUG_FILE={path}: {exc}"
+        counted = self._counts[0] - base
+        if len(blocks) < counted:
+            # One analysis per compilation is what torch_xla 2.9 writes; fewer means another writer
+            # or another torch_xla, and a wrong match would name the wrong cause.
+            return (f"PT_XLA_DEBUG_FILE={path} holds {len(blocks)} compilation analyses for the {counted} "
+                    "compilations counted, so they are not matched to steps")
+        for e in self._events:
+            i = e["first_graph"] - base - 1
+            e["analyses"] = [
+                {**{k: b.get(k) for k in ("cause", "graph_hash", "graph_inputs")}, "at": _user_frame(b["frames"])}
+                for b in blocks[i:i + e["graphs"]]
+            ]
+        return None
+
+    def _previous_graph(self, event: dict[str, Any]) -> dict[str, Any] | None:
+        """torch_xla's analysis of the graph this step ran before it compiled a new one: the same
+        step of an earlier pass, else the latest graph of an earlier step of the phase."""
+        same, earlier = None, None
+        for e in self._events:
+            if e is event:
+                break
+            if e["phase"] != event["phase"] or e["step"] is None or not e.get("analyses"):
+                continue
+            if e["step"] == event["step"]:
+                same = e
+            elif e["step"] < event["step"] and (earlier is None or e["step"] >= earlier["step"]):
+                earlier = e
+        found = same or earlier
+        return found["analyses"][-1] if found else None
+
+    def _debug_hint(self) -> str:
+        if self._debug is not None:
+            return "torch_xla's analysis of it is missing from PT_XLA_DEBUG_FILE"
+        if os.environ.get("PT_XLA_DEBUG_LEVEL", "0").strip() not in ("", "0"):
+            return ("torch_xla printed its Compilation Analysis on stderr (PT_XLA_DEBUG_LEVEL is set; with "
+                    "PT_XLA_DEBUG_FILE too, in a one-process run, this report reads it)")
+        return f"torch_xla does not say what changed unless the run starts with {DEBUG_SETTING}"
+
+    def _cause(self, event: dict[str, Any]) -> tuple[str, str]:
+        """(kind, words) for why ``event`` compiled, as far as the evidence goes."""
+        analyses = event.get("analyses") or []
+        if event["inputs"] == "new":
+            also = (f" (the step also read a device value {event['reads']} time(s), and each read ends a graph)"
+                    if event["reads"] else "")
+            return "inputs", f"new input shapes or dtypes: {event['input_change']}{also}"
+        if event["reads"]:
+            at = next((a["at"] for a in analyses if a["at"] and "access tensor value" in (a["cause"] or "")), "")
+            return "read", (
+                f"the step read a device value {event['reads']} time(s) (.item(), float(), bool())"
+                + (f" at {at}" if at else "") + ", which ends the graph there: each piece compiles on its own"
+            )
+        if event["step"] is None:
+            return "between", f"between steps (epoch-end reads, metrics or a checkpoint); {self._debug_hint()}"
+        same = "as the step before" if event["inputs"] == "same" else "as an earlier step that had compiled"
+        before = self._previous_graph(event)
+        now = analyses[-1] if analyses else None
+        if now is not None and before is not None and None not in (now["graph_inputs"], before["graph_inputs"]):
+            n, m = now["graph_inputs"], before["graph_inputs"]
+            if n < m:
+                what = f"{m - n} value(s) sent as graph inputs before are now constants in the graph"
+            elif n > m:
+                what = f"{n - m} value(s) that were constants in the graph now enter as graph inputs"
+            else:
+                what = (f"as many graph inputs, but another graph (hash {before['graph_hash']} -> "
+                        f"{now['graph_hash']}): an operation, a constant or a shape inside the step changed")
+            return "constant" if n != m else "graph", (
+                f"same input shapes and dtypes {same}; torch_xla's analysis: {n} graph inputs where this "
+                f"step's previous graph had {m}: {what}"
+            )
+        return "unknown", (
+            f"same input shapes and dtypes {same}, so the graph changed inside the step; {self._debug_hint()}"
+        )
+
+    def _compile_finding(self) -> Finding | None:
+        extra_events = [e for e in self._events if e["graphs"] > e["expected"]]
+        extra = sum(e["graphs"] - e["expected"] for e in extra_events) + self._dropped["unexpected"]
+        if not extra:
+            return None
+        first = self._first_epoch or 1
+        in_first = sum(e["graphs"] - e["expected"] for e in extra_events if e["epoch"] == first)
+        # One line per (epoch, graph, cause): ".item() every step" is one line, not one per step.
+        groups: dict[tuple[Any, ...], dict[str, Any]] = {}
+        kinds = set()
+        for e in extra_events:
+            kind, words = self._cause(e)
+            kinds.add(kind)
+            g = groups.setdefault((e["epoch"], e["phase"], words),
+                                  {"event": e, "steps": [], "graphs": 0, "expected": 0, "s": 0.0})
+            if e["step"] is not None:
+                g["steps"].append(e["step"])
+            g["graphs"] += e["graphs"]
+            g["expected"] += e["expected"]
+            g["s"] += e["compile_s"]
+        lines = []
+        for (epoch, phase, words), g in list(groups.items())[:MAX_LISTED]:
+            steps = g["steps"]
+            where = (f"epoch {epoch}, {phase} step{'s' if len(steps) > 1 else ''} {_steps(steps)}" if steps
+                     else f"epoch {epoch}, between steps")
+            clean = f" where a clean run compiles {g['expected']}" if g["expected"] else ""
+            lines.append(f"{where}: {g['graphs']} graph(s){clean}, {g['s']:.2f} s; {words}")
+        if len(groups) > MAX_LISTED:
+            lines.append(f"and {len(groups) - MAX_LISTED} more place(s)")
+        if self._dropped["unexpected"]:
+            lines.append(f"and {self._dropped['unexpected']} graph(s) past the first {MAX_EVENTS} compilations")
+        fixes = []
+        if "inputs" in kinds:
+            fixes.append("Keep every batch one shape: pad or resize inputs, keep batches full (the Trainer's "
+                         "samplers do; a custom BatchSource must too), bucket variable lengths.")
+        if "read" in kinds:
+            fixes.append("Remove .item(), float(t), bool(t) and `if t ...` from the model and loss; the Trainer "
+                         "already reads the loss every log_every steps without cutting the graph.")
+        if kinds & {"unknown", "between", "constant", "graph"}:
+            fixes.append("Look for a Python number or flag in the model, loss, optimizer or scheduler that changes "
+                         "during training: torch_xla bakes the numbers 0 and 1 into the graph as constants and "
+                         "sends other numbers as graph inputs, so a value that reaches or leaves 0 or 1 (a "
+                         "schedule's last step, a warm-up factor) compiles a new graph, and so does a Python "
+                         "branch on such a value. Keep it fixed, or pass it as a device tensor.")
+        if kinds & {"unknown", "between"} and self._debug is None:
+            fixes.append(f"To see what changed, start the run with {DEBUG_SETTING}: torch_xla then analyses each "
+                         "compilation (its cause, graph hash, number of graph inputs and the Python line that "
+                         "triggered it); with PT_XLA_DEBUG_FILE=PATH as well, this report reads it.")
+        later = extra - in_first
+        split = ", ".join(part for part in (
+            f"{in_first} in epoch {first} beyond warm-up" if in_first else "",
+            f"{later} after epoch {first}" if later else "",
+        ) if part)
+        return Finding(
+            "recompilation-after-warmup", f"{extra} compilation(s) a clean run would not make ({split})",
+            "; ".join(lines), " ".join(fixes),
+        )
+
     def findings(self) -> list[Finding]:
+        """What to change, each with its evidence, judged for the platform the run is on."""
         out: list[Finding] = []
-        later = self._epochs[1:]
         changes = [c for p in self._phases.values() for c in p.changes]
         num_changes = sum(p.num_changes for p in self._phases.values())
-        recompiles = sum(e.get("compilations", 0) for e in later)
-        if changes:
+        if changes and self._xla:
             out.append(Finding(
                 "input-shape-change", f"inputs changed shape or dtype {num_changes} time(s)",
                 "; ".join(
-                    f"{c['phase']} from epoch {c['epoch']} batch {c['batch']} ({c['times']}x): {c['cause']}" for c in changes
+                    f"{c['phase']} from epoch {c['epoch']} step {c['step']} ({c['times']}x): {c['cause']}"
+                    for c in changes
                 ),
                 "Every new shape compiles a new graph on XLA. Pad or resize inputs to one size, keep "
                 "batches full (the Trainer's own samplers do; a custom BatchSource must too), and "
                 "bucket variable lengths into a few fixed sizes.",
             ))
-        if recompiles:
-            out.append(Finding(
-                "recompilation-after-warmup", f"{recompiles} compilation(s) after the first epoch",
-                ", ".join(f"epoch {e['epoch']}: {e['compilations']}" for e in later if e.get("compilations")),
-                "After warm-up every step should reuse compiled graphs: see the shape changes above, "
-                "and avoid Python values that change per step inside the model (they become constants).",
-            ))
+        recompiled = self._compile_finding()
+        if recompiled is not None:
+            out.append(recompiled)
         steps = sum(e["steps"] for e in self._epochs) or 1
         if self._epochs and "host_reads" in self._epochs[0]:
             unplanned = sum(e["host_reads"] - e["planned_reads"] for e in self._epochs)
@@ -202,15 +520,14 @@ class RunDiagnostics:
         train = self._phases.get("train")
         wall = sum(e["wall_s"] for e in self._epochs)
         # On XLA the wait includes the loader's step-boundary launch, so only a large share counts.
-        if train and wall > 0 and train.wait_s / wall > INPUT_BOUND_SHARE:
+        if self._input_wait_is_evidence() and train and wall > 0 and train.wait_s / wall > INPUT_BOUND_SHARE:
             out.append(Finding(
                 "input-bound", f"{100 * train.wait_s / wall:.0f}% of training time waited for input",
                 f"{train.wait_s:.1f} s waiting for the next batch in {wall:.1f} s of epochs",
                 "Feed faster: pack images into shards (`xlatrain pack`) and read them with ShardDataset, "
                 "raise num_workers, decode at the target size, send uint8 and normalise on the device.",
             ))
-        device_type = getattr(self._backend, "_device_type", "")
-        if device_type == "TPU" and self._per_device_batch < SMALL_TPU_BATCH:
+        if self._platform == "tpu" and self._per_device_batch < SMALL_TPU_BATCH:
             out.append(Finding(
                 "small-batch", f"batch_size={self._per_device_batch} per TPU core is small",
                 f"a TPU core multiplies in {SMALL_TPU_BATCH}-row or larger tiles",
@@ -218,14 +535,73 @@ class RunDiagnostics:
             ))
         return out
 
+    def _input_wait_is_evidence(self) -> bool:
+        # Eager CPU/CUDA run the step before asking for the next batch, and an XLA accelerator
+        # computes apart from the host, so waiting there means the loader was late. XLA:CPU runs
+        # the compiled step on the same CPU cores as the loader, asynchronously, and the wait for a
+        # batch absorbs the step's own compute: it says nothing about the loader.
+        return not (self._xla and self._platform == "cpu")
+
+    def notes(self) -> list[str]:
+        """What the report says once, needing no change, or what it could not judge here."""
+        out: list[str] = []
+        warm = [e for e in self._events if e["expected"]]
+        if warm:
+            places = []
+            for phase in ("train", "eval"):
+                steps = sorted({e["step"] for e in warm if e["phase"] == phase})
+                if steps:
+                    places.append(f"{phase} step{'s' if len(steps) > 1 else ''} {_steps(steps)}")
+            if any(e["step"] is None for e in warm):
+                places.append("between steps")
+            seconds = sum(e["compile_s"] * e["expected"] / e["graphs"] for e in warm)
+            out.append(
+                f"warm-up: {sum(e['expected'] for e in warm)} graph(s) compiled in {seconds:.1f} s "
+                f"({', '.join(places)} of epoch {self._first_epoch}), as a clean run does"
+            )
+        if self._snap is not None and self._first is not None:
+            from xlatrain.diagnostics import xla_metrics
+
+            total = xla_metrics.diff(self._first, self._snap)
+            failed = total.get("persistent_cache_deserialize_failure", 0)
+            if failed and self._platform == "cpu":
+                out.append(
+                    f"compile cache: {failed} entr{'y' if failed == 1 else 'ies'} could not be loaded on "
+                    "XLA:CPU (torch_xla 2.9 cannot load the executables it saves there), so every run "
+                    "recompiles there; on TPU the same cache skips recompiling"
+                )
+            elif failed:
+                out.append(f"compile cache: {failed} entr{'y' if failed == 1 else 'ies'} could not be loaded "
+                           "and were compiled again")
+            if self._spmd and total.get("compile_count", 0):
+                out.append(
+                    "SPMD: XLA flags its GSPMD partitioner as deprecated in favour of Shardy at every "
+                    f"compilation ({total['compile_count']} here); torch_xla 2.9 partitions with GSPMD "
+                    "only, so there is nothing to change"
+                )
+        train = self._phases.get("train")
+        if not self._input_wait_is_evidence() and train and train.batches:
+            out.append(
+                "input pipeline: not judged on XLA:CPU, where the compiled step runs on the same CPU "
+                "cores as the loader and the wait for a batch includes the step's own compute; judge "
+                "it on the TPU, or with accelerator='cpu'"
+            )
+        return out
+
     def finish(self, run_dir: Path, is_main: bool) -> dict[str, Any]:
+        """Write ``run_dir/diagnostics.json`` and log the report (main process); returns the report."""
+        unmatched = self._attach_analyses()
         findings = self.findings()
+        notes = self.notes() + ([unmatched] if unmatched else [])
         wall = sum(e["wall_s"] for e in self._epochs) or 1.0
         report = {
             "clean": not findings,
             "compile_share": sum(e.get("compile_s", 0.0) for e in self._epochs) / wall,
             "input_bound_share": sum(e["input_wait_s"] for e in self._epochs) / wall,
+            "input_wait_is_evidence": self._input_wait_is_evidence(),
             "findings": [asdict(f) for f in findings],
+            "notes": notes,
+            "compilations": self._events,
             "epochs": self._epochs,
             "input_wait_s": {name: p.wait_s for name, p in self._phases.items()},
         }
@@ -238,6 +614,9 @@ class RunDiagnostics:
                 for f in findings:
                     log.info(f"  - {f.title}: {f.evidence}\n    fix: {f.fix}")
             else:
-                log.info("diagnostics: clean (no recompilation after warm-up, no unplanned device reads, "
-                      "no CPU fallbacks, not input-bound)")
+                judged = "not input-bound" if self._input_wait_is_evidence() else "input wait not judged here"
+                log.info(f"diagnostics: clean (no recompilation after warm-up, no unplanned device reads, "
+                         f"no CPU fallbacks, {judged})")
+            for note in notes:
+                log.info(f"  note: {note}")
         return report
