@@ -284,12 +284,52 @@ def test_a_clean_model_with_evaluation_gives_no_finding():
 
     assert watch.findings() == []
     assert watch.strict_error() is None
-    # Evaluation compiles its own version of forward once, in warm-up: a note, not a finding.
-    (note,) = watch.notes()
-    assert "2 compilation(s)" in note and "1 of them for evaluation" in note
+    # Evaluation compiles its own version of forward once: a note, not a finding.
+    warm_up, evaluation = watch.notes()
+    assert warm_up.startswith("torch.compile warm-up: 2 compilation(s)")
+    assert "evaluation compiled its own version of 1 function(s)" in evaluation and "epoch 1," in evaluation
     summary = watch.summary()
-    assert summary["recompilations"] == 1 and summary["recompilations_after_warm_up"] == 0
+    assert summary["recompilations"] == summary["recompilations_for_evaluation"] == 1
+    assert summary["recompilations_after_warm_up"] == 0
     assert [e["epoch"] for e in summary["events"]] == [1, 1]
+
+
+def test_evaluation_first_run_after_warm_up_is_not_a_recompilation_to_fix():
+    model = Plain()
+    compiled = torch.compile(model, backend=BACKEND)
+    with CompileWatch() as watch:
+        steps(compiled, [8, 8])
+        watch.end_epoch(1)
+        model.eval()
+        with torch.no_grad():
+            compiled(torch.randn(8, 4))  # evaluation runs for the first time in epoch 2
+        watch.end_epoch(2)
+        model.train()
+        steps(compiled, [8, 8])
+        model.eval()
+        with torch.no_grad():
+            compiled(torch.randn(8, 4))
+    assert watch.findings() == [] and watch.strict_error() is None
+    assert "in epoch 2, once each" in watch.notes()[1]
+
+
+def test_evaluation_compiling_again_after_warm_up_is_a_finding():
+    model = Plain()
+    compiled = torch.compile(model, backend=BACKEND)
+    with CompileWatch() as watch:
+        for epoch in (1, 2):
+            model.train()
+            steps(compiled, [8])
+            model.eval()
+            with torch.no_grad():
+                compiled(torch.randn(8, 4))
+            watch.end_epoch(epoch)
+            torch._dynamo.reset()  # throws away both compiled versions
+    (finding,) = watch.findings()
+    assert finding.code == "recompilation" and "grad mode or train/eval mode changed" in finding.title
+    assert "GLOBAL_STATE changed: grad_mode" in finding.evidence and "1 after warm-up (epoch 2)" in finding.evidence
+    assert "torch._dynamo.reset()" in finding.fix
+    assert watch.strict_error() is not None
 
 
 def test_what_compiled_before_start_is_not_counted():

@@ -138,10 +138,15 @@ class _Compile:
     fail_at: _Site | None
     seconds: float
     limit: int | None
+    expected: bool = False  # the first version for evaluation (no_grad, model.eval()) of a function
 
     @property
     def recompile(self) -> bool:
         return self.kind == "compile" and self.reason is not None
+
+    @property
+    def unexpected(self) -> bool:
+        return self.recompile and not self.expected
 
 
 @dataclass
@@ -180,6 +185,7 @@ class CompileWatch:
         self._first_epoch = 1
         self._frames: dict[str, tuple[str, str, int]] = {}  # frame id -> (function, file, first line)
         self._compiles: list[_Compile] = []
+        self._modes: set[tuple[Any, ...]] = set()  # (function, file, guard) that compiled for a mode
         self._breaks: dict[tuple[str, str, int], _Break] = {}
         self._seconds: dict[int, float] = {}  # compile seconds per period, backward graphs included
         self._lost = False
@@ -333,9 +339,17 @@ class CompileWatch:
         fail_at = None
         if getattr(record, "fail_user_frame_filename", None):
             fail_at = _Site(record.fail_user_frame_filename, int(record.fail_user_frame_lineno or 0), name or "?")
+        # Evaluation (no_grad, model.eval()) compiles its own version of each function the first
+        # time it runs, in whichever epoch that is: how a clean run starts, not something to fix.
+        expected = False
+        if kind == "compile" and reason and _parse_guard(reason)["kind"] == "mode":
+            mode = (name, file, _parse_guard(reason)["text"])
+            expected = mode not in self._modes
+            self._modes.add(mode)
         self._compiles.append(_Compile(
             period=self._period, compile_id=compile_id, kind=kind, function=name or "?", file=file, line=line,
             reason=reason, failure=failure, fail_at=fail_at, seconds=seconds, limit=_recompile_limit(failure),
+            expected=expected,
         ))
 
     def _read_break(self, reason: Any) -> None:
@@ -448,7 +462,7 @@ class CompileWatch:
     def _recompile_groups(self) -> list[dict[str, Any]]:
         groups: dict[tuple[Any, ...], dict[str, Any]] = {}
         for c in self._compiles:
-            if not c.recompile:
+            if not c.unexpected:
                 continue
             guard = _parse_guard(c.reason)
             key = (c.function, c.file, guard["kind"], guard["subject"])
@@ -466,10 +480,6 @@ class CompileWatch:
         for g in self._recompile_groups():
             guard, events = g["guard"], g["events"]
             late = [c for c in events if c.period > 0]
-            # Evaluation under no_grad / model.eval() compiles its own version of the same forward
-            # once, in warm-up: that is how a clean run starts, not something to fix.
-            if guard["kind"] == "mode" and not late:
-                continue
             if len(out) >= MAX_SITES:
                 extra.append(g)
                 continue
@@ -559,11 +569,14 @@ class CompileWatch:
         out = []
         warm = [c for c in self._compiles if c.period == 0 and c.kind == "compile"]
         if warm:
-            modes = sum(1 for c in warm if c.recompile and _parse_guard(c.reason)["kind"] == "mode")
+            out.append(f"torch.compile warm-up: {len(warm)} compilation(s), {self._seconds.get(0, 0.0):.1f} s")
+        expected = [c for c in self._compiles if c.expected]
+        if expected:
+            epochs = sorted({self._epoch_of(c.period) for c in expected})
             out.append(
-                f"torch.compile warm-up: {len(warm)} compilation(s), {self._seconds.get(0, 0.0):.1f} s"
-                + (f"; {modes} of them for evaluation (grad mode or model.eval()), as a clean run does"
-                   if modes else "")
+                f"torch.compile: evaluation compiled its own version of {len(expected)} function(s) (grad mode or "
+                f"model.eval() differ from training) in epoch{'s' if len(epochs) > 1 else ''} "
+                f"{', '.join(map(str, epochs))}, once each, as a clean run does"
             )
         if self._lost:
             out.append("torch.compile: some compilations could not be read (dynamo's ring of compilation "
@@ -579,7 +592,9 @@ class CompileWatch:
     def summary(self) -> dict[str, Any]:
         """Numbers for diagnostics.json.
 
-        Keys: ``graphs``, ``compilations``, ``recompilations``, ``recompilations_after_warm_up``,
+        Keys: ``graphs``, ``compilations``, ``recompilations`` (all), ``recompilations_for_evaluation``
+        (the first version of a function for no_grad / model.eval(), as a clean run compiles), and
+        ``recompilations_after_warm_up`` (the others, after the first epoch),
         ``graph_breaks`` (met while compiling), ``graph_break_sites``, ``recompile_limit_hits``,
         ``skipped``, ``compile_s`` and ``events``: one per compilation (epoch, function, file:line,
         kind, the guard that failed, seconds), the first ``MAX_EVENTS``.
@@ -590,7 +605,8 @@ class CompileWatch:
             "graphs": self._graphs,
             "compilations": sum(1 for c in compiles if c.kind == "compile"),
             "recompilations": sum(1 for c in compiles if c.recompile),
-            "recompilations_after_warm_up": sum(1 for c in compiles if c.recompile and c.period > 0),
+            "recompilations_for_evaluation": sum(1 for c in compiles if c.expected),
+            "recompilations_after_warm_up": sum(1 for c in compiles if c.unexpected and c.period > 0),
             "graph_breaks": sum(len(b.periods) for b in self._breaks.values()),
             "graph_break_sites": len(self._breaks),
             "recompile_limit_hits": sum(1 for c in compiles if c.kind == "limit"),
