@@ -210,13 +210,13 @@ def test_a_changing_batch_size_is_a_recompilation_with_the_guard_and_the_sizes()
     (finding,) = watch.findings()
     assert finding.code == "recompilation"
     assert "of forward (" in finding.title and f"{HERE}:{forward})" in finding.title
-    assert "input 'x' changed shape" in finding.title
+    assert "tensor 'x' changed shape" in finding.title
     assert "\"tensor 'x' size mismatch at index 0. expected 16, actual 8\" failed" in finding.evidence
     assert "'x' dim 0 16 -> 8" in finding.evidence and "1 after warm-up (epoch 2)" in finding.evidence
     assert "drop_last" in finding.fix and "mark_dynamic" in finding.fix
     assert watch.summary()["recompilations_after_warm_up"] == 1
     error = watch.strict_error(graph_breaks=False)
-    assert error is not None and "input 'x' changed shape" in error
+    assert error is not None and "tensor 'x' changed shape" in error
 
 
 def test_a_python_attribute_that_changes_is_a_recompilation_naming_it():

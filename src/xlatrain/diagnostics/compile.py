@@ -12,6 +12,8 @@ logging settings, so it changes no logging configuration and prints nothing:
 - ``torch._dynamo.utils.graph_break_reasons``: one ``GraphCompileReason`` per graph break met while
   compiling: the reason, and the user's stack as ``FrameSummary`` objects (file, line, function).
 - ``torch._dynamo.utils.counters["stats"]["unique_graphs"]``: graphs handed to the backend.
+- ``torch._dynamo.utils.guard_failures``: every guard failure per code object, read only to name the
+  function of a recompile-limit hit, whose metrics dynamo records before it names the code.
 
 A step that compiles nothing runs no code of this module, so the steady state costs nothing.
 ``torch._dynamo`` is imported by :meth:`CompileWatch.start`, not at import. Torch 2.9 keeps the same
@@ -791,9 +793,9 @@ def _describe_guard(group: dict[str, Any]) -> tuple[str, str]:
         if guard["what"] == "size":
             batch = " (the batch size changed: a ragged last batch, or batches of varying size)" if (
                 guard["subject"][2] == "0") else ""
-            return (f"input '{guard['name']}' changed shape",
+            return (f"tensor '{guard['name']}' changed shape",
                     f"compiled for one size, called with another: {changes}{batch}")
-        return f"input '{guard['name']}' changed {guard['what']}", changes
+        return f"tensor '{guard['name']}' changed {guard['what']}", changes
     if kind == "value":
         values = _listed(group["values"], ", ")
         return (f"the Python value {guard['expr']} changed",
@@ -821,8 +823,8 @@ def _recompile_fix(guard: dict[str, Any]) -> str:
                 "(torch._dynamo.mark_dynamic(t, dim)) only where shapes truly vary; on TorchTPU "
                 "(dynamic=False) every new shape compiles a graph of its own.")
     if kind == "tensor":
-        return (f"Give the input the same {guard.get('what', 'properties')} on every call (cast or move it in the "
-                "data pipeline, before the compiled step).")
+        return (f"Give the tensor the same {guard.get('what', 'properties')} on every call (set it in the data "
+                "pipeline or before the compiled call).")
     if kind == "value":
         return (f"Keep {guard['expr']} constant during training, or make it a tensor (register_buffer, or pass it "
                 "as an input) so that it enters the graph as data, not as a constant.")
