@@ -99,7 +99,8 @@ def test_a_python_number_that_becomes_a_constant_is_named_with_its_epoch_step_an
 
     # With torch_xla's analysis written to a file, the report reads it and says what changed.
     debug = tmp_path / "xla_debug.txt"
-    report, _ = _fit(tmp_path, "scalar-debug", "scalar", env={"PT_XLA_DEBUG_LEVEL": "1", "PT_XLA_DEBUG_FILE": str(debug)})
+    analysed = {"PT_XLA_DEBUG_LEVEL": "1", "PT_XLA_DEBUG_FILE": str(debug)}
+    report, _ = _fit(tmp_path, "scalar-debug", "scalar", env=analysed)
     evidence = _finding(report, "recompilation-after-warmup")["evidence"]
     train = re.search(r"epoch 2, train step 3: 1 graph\(s\)[^;]*; same input shapes and dtypes as the step "
                       r"before; torch_xla's analysis: (\d+) graph inputs where this step's previous graph had "
@@ -151,7 +152,9 @@ class _Backend:
         self.name, self.platform, self.planned_reads, self.num_processes = name, platform, 0, 1
 
 
-@pytest.mark.parametrize(("name", "platform", "flagged"), [("tpu", "tpu", True), ("cpu", "cpu", False), ("cuda", "cuda", False)])
+@pytest.mark.parametrize(
+    ("name", "platform", "flagged"), [("tpu", "tpu", True), ("cpu", "cpu", False), ("cuda", "cuda", False)]
+)
 def test_a_small_batch_is_judged_by_the_platform_the_backend_reports(name, platform, flagged):
     diag = RunDiagnostics(_Backend(name, platform), per_device_batch=8, strict=False)
     diag.end_epoch(1)

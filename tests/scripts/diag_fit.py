@@ -11,6 +11,7 @@ CAUSE is one of
   ragged  a BatchSource whose last training batch of each epoch is short
   slow    an in-memory dataset that sleeps in __getitem__ (a loader slower than the step)
   accumulate  clean, with gradients accumulated over two micro-batches per optimizer step
+          (its warm-up spans the first four micro-batches)
 
 Prints ``REPORT`` lines (what the run printed as its diagnostics) and ``HISTORY`` followed by
 RUN_DIR/diagnostics.json.
@@ -72,8 +73,8 @@ class RaggedSource:
 
     def train_batches(self, *, loader_batch, epoch, **_):
         for k in range(3):
-            rows = 3 if k == 2 else loader_batch
-            yield self.images[k * loader_batch:k * loader_batch + rows], self.labels[k * loader_batch:k * loader_batch + rows]
+            rows = slice(k * loader_batch, k * loader_batch + (3 if k == 2 else loader_batch))
+            yield self.images[rows], self.labels[rows]
 
     def eval_batches(self, *, loader_batch, **_):
         yield (self.images[:loader_batch], self.labels[:loader_batch]), torch.ones(loader_batch, dtype=torch.bool)
