@@ -151,3 +151,23 @@ def test_non_finite_steps_are_named_in_the_line() -> None:
     progress = EpochProgress(1, 40, 0, samples_per_step=8, interactive=False, log=lines.append)
     assert progress.report(10, loss_sum=5.0, nonfinite=3.0).nonfinite == 3
     assert lines[0].endswith("samples/s  (3 non-finite steps)")
+
+
+def test_a_read_landing_after_the_bar_closed_is_measured_but_not_drawn() -> None:
+    """On CUDA a deferred read can run at the epoch-end read, after the epoch's bar is gone."""
+    main_fd, child_fd = pty.openpty()
+    fcntl.ioctl(child_fd, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    lines: list[str] = []
+    with os.fdopen(child_fd, "w") as tty:
+        progress = EpochProgress(1, 20, 0, samples_per_step=8, interactive=True, log=lines.append, stream=tty)
+        progress.advance(10)
+        progress.close()
+        tty.flush()
+        drawn = os.read(main_fd, 65536)
+        stats = progress.report(10, loss_sum=5.0, nonfinite=0)
+        tty.write("end")
+        tty.flush()
+        assert os.read(main_fd, 65536) == b"end"
+    os.close(main_fd)
+    assert drawn.startswith(b"\repoch 1 step 0/20 ") and drawn.endswith(b"\r")  # drawn, then wiped
+    assert stats.epoch_loss == 0.5 and lines == []

@@ -112,6 +112,7 @@ class EpochProgress:
         self._last_time = time.perf_counter()
         self._stack = contextlib.ExitStack()
         self._bar: Any = None
+        self._interactive = interactive
         if interactive:
             # The terminal bar, not tqdm.auto: notebooks get plain lines (their stdout is no tty).
             from tqdm.contrib.logging import logging_redirect_tqdm
@@ -132,8 +133,8 @@ class EpochProgress:
 
     @property
     def interactive(self) -> bool:
-        """Whether a bar is drawn."""
-        return self._bar is not None
+        """Whether progress shows as a bar (instead of lines)."""
+        return self._interactive
 
     def advance(self, step: int) -> None:
         """Move the bar to ``step`` (host bookkeeping only; nothing is read from the device)."""
@@ -160,10 +161,13 @@ class EpochProgress:
         bad = int(nonfinite)
         stats = IntervalStats(step, epoch_loss, interval_loss, rate, bad)
         note = f"  ({bad} non-finite steps)" if bad > 0 else ""
-        if self._bar is not None:
-            self._bar.set_postfix_str(f"loss {epoch_loss:.4f}, {rate:,.0f} samples/s{note}", refresh=False)
-            self.advance(step)
-            self._bar.refresh()
+        if self._interactive:
+            # A read that lands after close (CUDA runs pending reads at the epoch-end read) is
+            # not shown: its bar is gone, and the epoch line follows.
+            if self._bar is not None:
+                self._bar.set_postfix_str(f"loss {epoch_loss:.4f}, {rate:,.0f} samples/s{note}", refresh=False)
+                self.advance(step)
+                self._bar.refresh()
         else:
             self._log(
                 f"  epoch {self.epoch} step {step}/{self.num_steps}  loss {epoch_loss:.4f}  {rate:,.0f} samples/s{note}"
@@ -171,7 +175,7 @@ class EpochProgress:
         return stats
 
     def close(self) -> None:
-        """Remove the bar and put logging back as it was; later calls do nothing."""
+        """Remove the bar and put logging back as it was; ``report`` still measures afterwards."""
         self._stack.close()
         self._bar = None
 
