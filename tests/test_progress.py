@@ -153,6 +153,13 @@ def test_non_finite_steps_are_named_in_the_line() -> None:
     assert lines[0].endswith("samples/s  (3 non-finite steps)")
 
 
+def _read_until(fd: int, marker: bytes) -> bytes:
+    out = b""
+    while not out.endswith(marker):
+        out += os.read(fd, 65536)
+    return out
+
+
 def test_a_read_landing_after_the_bar_closed_is_measured_but_not_drawn() -> None:
     """On CUDA a deferred read can run at the epoch-end read, after the epoch's bar is gone."""
     main_fd, child_fd = pty.openpty()
@@ -162,12 +169,14 @@ def test_a_read_landing_after_the_bar_closed_is_measured_but_not_drawn() -> None
         progress = EpochProgress(1, 20, 0, samples_per_step=8, interactive=True, log=lines.append, stream=tty)
         progress.advance(10)
         progress.close()
+        tty.write("|closed|")
         tty.flush()
-        drawn = os.read(main_fd, 65536)
+        drawn = _read_until(main_fd, b"|closed|")
         stats = progress.report(10, loss_sum=5.0, nonfinite=0)
-        tty.write("end")
+        tty.write("|end|")
         tty.flush()
-        assert os.read(main_fd, 65536) == b"end"
+        after = _read_until(main_fd, b"|end|")
     os.close(main_fd)
-    assert drawn.startswith(b"\repoch 1 step 0/20 ") and drawn.endswith(b"\r")  # drawn, then wiped
+    assert drawn.startswith(b"\repoch 1 step 0/20 ") and drawn.endswith(b"\r|closed|")  # drawn, then wiped
+    assert after == b"|end|"
     assert stats.epoch_loss == 0.5 and lines == []
