@@ -16,7 +16,7 @@ from xlatrain.diagnostics.profile import TRACE_FILE, StepTrace, check_profile_st
 NUM_STEPS = 8
 
 
-def _train(run_dir, steps=None, *, input_delay_s=0.0, is_main=True):
+def _train(run_dir, steps=None, *, input_delay_s=0.0, between_s=0.0, is_main=True):
     """A Trainer-shaped loop (dropout, momentum) that reports each batch's wait as the Trainer does."""
     torch.manual_seed(0)
     model = nn.Sequential(
@@ -45,6 +45,7 @@ def _train(run_dir, steps=None, *, input_delay_s=0.0, is_main=True):
         losses.append(loss.detach())
         if trace is not None:
             trace.after_step(n, input_wait_s=waited)
+        time.sleep(between_s)  # what the Trainer does between steps: logging, checkpoints, evaluation
         fetched = time.perf_counter()
     summary = trace.close() if trace is not None else None
     return torch.stack(losses), model, summary
@@ -91,6 +92,15 @@ def test_the_summary_gives_the_share_of_traced_time_spent_waiting_for_input(tmp_
     _, _, fast = _train(tmp_path / "fast", (2, 5))
     assert fast["input_wait_share"] < slow["input_wait_share"] / 2
     assert "(%.1f%%)" % (100 * slow["input_wait_share"]) in render_summary(slow)
+
+
+def test_time_between_steps_is_told_apart_from_steps_and_input_wait(tmp_path):
+    _, _, summary = _train(tmp_path / "run", (2, 5), between_s=0.05)
+    assert 3 * 0.05 <= summary["between_steps_s"] < 3 * 0.05 + 0.2  # three gaps inside steps 2-5
+    assert summary["input_wait_share"] < 0.1
+    assert any("passed between steps" in note for note in summary["notes"])
+    _, _, plain = _train(tmp_path / "plain", (2, 5))
+    assert not any("passed between steps" in note for note in plain["notes"])
 
 
 def test_a_window_the_run_leaves_early_is_written_up_to_its_last_step(tmp_path):

@@ -318,16 +318,23 @@ class StepTrace:
             "op_time_ms": round(sum(o["total_ms"] for o in ops), 3),
             "top_ops": ops[:TOP_OPS],
             "transfers": transfers,
-            "notes": self._notes(transfers, complete),
         }
+        summary["notes"] = self._notes(summary, complete)
         if self._backend == "xla":
             summary["top_instructions"] = _top_ops(events, self._backend, group=False)[0][:TOP_OPS]
         return summary
 
-    def _notes(self, transfers: dict[str, Any], complete: bool) -> list[str]:
+    def _notes(self, summary: dict[str, Any], complete: bool) -> list[str]:
+        transfers = summary["transfers"]
         notes = []
         if not complete:
             notes.append(f"training stopped before step {self.stop}: the trace ends at the last step that ran")
+        if summary["between_steps_s"] > 0.5 * summary["traced_s"]:
+            notes.append(
+                "more than half the traced time passed between steps, not in them or waiting for input: "
+                "an epoch's end (evaluation, checkpoint) or a checkpoint every few steps fell inside the "
+                "window; trace steps within one epoch to see the steps alone"
+            )
         if self._backend == "xla":
             notes.append(
                 "step time is host time (tracing and launching the graph); the device runs it "
