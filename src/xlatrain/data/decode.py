@@ -51,6 +51,30 @@ def read_header(data: bytes | memoryview) -> tuple[int, int, int]:
     return h, w, 1 if colorspace == "Gray" else 3
 
 
+def dct_request(stored: Sequence[int], crop: Sequence[int], size: Sequence[int]) -> tuple[dict[str, int], Size]:
+    """How to ask libjpeg-turbo for the smallest DCT scale of a ``stored`` image whose ``crop``
+    region (``(height, width)``) still covers ``size``: simplejpeg keyword arguments, and the
+    ``(height, width)`` of the whole image they decode to.
+
+    Returns ``({}, stored)`` when the output is more than half the crop in either direction:
+    scales between 1/2 and 1 take libjpeg-turbo's slower path and save little.
+    """
+    stored_h, stored_w = int(stored[0]), int(stored[1])
+    crop_h, crop_w = int(crop[0]), int(crop[1])
+    out_h, out_w = int(size[0]), int(size[1])
+    if 2 * out_h > crop_h or 2 * out_w > crop_w:
+        return {}, (stored_h, stored_w)
+    min_h = math.ceil(out_h * stored_h / crop_h)
+    min_w = math.ceil(out_w * stored_w / crop_w)
+    # simplejpeg takes the smallest of libjpeg-turbo's M/8 scales (M <= 4 with min_factor=2)
+    # whose output, ceil(side * M / 8), still covers both minimums.
+    for m in (1, 2, 3, 4):
+        scaled = (-(-stored_h * m // 8), -(-stored_w * m // 8))
+        if scaled[0] >= min_h and scaled[1] >= min_w:
+            break
+    return {"min_height": min_h, "min_width": min_w, "min_factor": 2}, scaled
+
+
 def decode(
     data: bytes | memoryview,
     *,
@@ -58,6 +82,7 @@ def decode(
     crop: Sequence[int] | None = None,
     channels: int = 3,
     shape: Sequence[int] | None = None,
+    out: np.ndarray | None = None,
 ) -> np.ndarray:
     """Decode a JPEG to a uint8 ``(H, W, channels)`` array, optionally cropped and resized.
 
@@ -71,9 +96,15 @@ def decode(
             replicated).
         shape: the stored ``(height, width)`` when already known (e.g. from a shard index),
             which saves parsing the header.
+        out: a writable uint8 ``(H, W, channels)`` array to write the result into (e.g. a row
+            of a batch); when the DCT-scaled image is already the output size and ``out`` is
+            contiguous, libjpeg-turbo decodes straight into it.
+
+    Returns:
+        The image (``out`` itself when given).
 
     Raises:
-        ValueError: the bytes are not a decodable JPEG.
+        ValueError: the bytes are not a decodable JPEG, or ``out`` has the wrong shape.
 
     Example:
         >>> img = decode(open("slice.jpg", "rb").read(), size=128, channels=1)
@@ -81,7 +112,7 @@ def decode(
         ((128, 128, 1), dtype('uint8'))
     """
     colorspace = _colorspace(channels)
-    if size is None and crop is None:
+    if size is None and crop is None and out is None:
         return simplejpeg.decode_jpeg(data, colorspace=colorspace)
     if shape is None:
         stored_h, stored_w, _ = read_header(data)
@@ -94,18 +125,15 @@ def decode(
             "width) inside it"
         )
     out_h, out_w = (crop_h, crop_w) if size is None else as_size(size)
-    if 2 * out_h <= crop_h and 2 * out_w <= crop_w:
-        # Ask for the smallest DCT scale at which the crop still covers the output size;
-        # min_factor=2 keeps libjpeg-turbo off its slower non-reducing scales.
-        image = simplejpeg.decode_jpeg(
-            data,
-            colorspace=colorspace,
-            min_height=math.ceil(out_h * stored_h / crop_h),
-            min_width=math.ceil(out_w * stored_w / crop_w),
-            min_factor=2,
-        )
-    else:
-        image = simplejpeg.decode_jpeg(data, colorspace=colorspace)
+    if out is not None and out.shape != (out_h, out_w, channels):
+        raise ValueError(f"out has shape {out.shape}, the decoded image is {(out_h, out_w, channels)}")
+    request, scaled = dct_request((stored_h, stored_w), (crop_h, crop_w), (out_h, out_w))
+    direct = out is not None and crop is None and scaled == (out_h, out_w) and out.flags.c_contiguous
+    image = simplejpeg.decode_jpeg(data, colorspace=colorspace, buffer=out if direct else None, **request)
+    if direct:
+        if image.shape[:2] == (out_h, out_w):
+            return out
+        image = image.copy()  # not the predicted scale: ``out`` only held the decoder's scratch
     scaled_h, scaled_w = image.shape[:2]
     if crop is not None:
         y0, y1 = round(top * scaled_h / stored_h), round((top + crop_h) * scaled_h / stored_h)
@@ -113,7 +141,10 @@ def decode(
         image = image[y0 : max(y1, y0 + 1), x0 : max(x1, x0 + 1)]
     if image.shape[:2] != (out_h, out_w):
         image = resize(image, (out_h, out_w))
-    return image
+    if out is None:
+        return image
+    out[...] = image
+    return out
 
 
 def resize(image: np.ndarray, size: int | Sequence[int]) -> np.ndarray:
