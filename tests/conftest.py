@@ -99,6 +99,15 @@ def run_script(args: list[str], env: dict[str, str] | None = None, timeout: int 
     return json.loads(lines[0][len("HISTORY ") :])
 
 
+@pytest.fixture(autouse=True)
+def _restore_xlatrain_logging():
+    """A test that ran the CLI in this process leaves its console handler; take it away."""
+    yield
+    from xlatrain.logs import remove_console_handler
+
+    remove_console_handler()
+
+
 @pytest.fixture
 def python() -> str:
     return sys.executable

@@ -45,7 +45,20 @@ def install_console_handler(level: int = logging.INFO) -> logging.Handler:
     handler.setFormatter(logging.Formatter("%(message)s"))
     logger.addHandler(handler)
     logger.setLevel(level)
+    # This handler is the output: a root handler that a library installed (torch_xla calls
+    # logging.basicConfig() at import) must not print every line a second time.
+    logger.propagate = False
     return handler
+
+
+def remove_console_handler() -> None:
+    """Undo :func:`install_console_handler` (tests restore logging between cases)."""
+    logger = logging.getLogger(LOGGER_NAME)
+    for handler in list(logger.handlers):
+        if handler.get_name() == _HANDLER_NAME:
+            logger.removeHandler(handler)
+    logger.propagate = True
+    logger.setLevel(logging.NOTSET)
 
 
 def ensure_console() -> None:

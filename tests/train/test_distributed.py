@@ -176,3 +176,66 @@ def test_sigterm_to_one_node_stops_both_at_one_step_with_a_checkpoint(tmp_path):
     outs = [n.communicate(timeout=300)[0] for n in again]
     assert [n.returncode for n in again] == [0, 0], outs
     assert any(f"resumed from {path}" in out for out in outs) and (tmp_path / "final.safetensors").exists()
+
+
+# --- dict items with a two-term loss, and a per-step schedule, across the backends ----------
+#
+# The loss (tests/scripts/pipeline_trajectory.py) has no per-sample form: it trains on each
+# process's batch and validates once over the whole set. Its two terms are means over the batch's
+# pixels, so the mean over processes of each process's loss (DDP) equals the loss over the global
+# batch (SPMD, one process) and the three trajectories agree to float32 reduction order.
+PIPELINE = str(SCRIPTS / "pipeline_trajectory.py")
+PIPELINE_KEYS = ("train_loss", "train_bce", "train_mse", "val_loss", "val_bce", "val_mse")
+
+
+def _pipeline(args, env=None, launcher=(sys.executable,)):
+    proc = run_command([*launcher, PIPELINE, *args], env=env)
+    found = {}
+    for tag in ("HISTORY", "LAST_LR"):
+        found[tag] = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith(tag + " ")][0][len(tag) + 1:])
+    return found["HISTORY"], found["LAST_LR"]
+
+
+@pytest.fixture(scope="module")
+def pipeline_cpu(tmp_path_factory):
+    return _pipeline(["cpu", "1", "16", "3", str(tmp_path_factory.mktemp("pipe-cpu"))])
+
+
+def _assert_same_terms(a, b):
+    assert len(a) == len(b)
+    for ra, rb in zip(a, b):
+        for key in PIPELINE_KEYS:
+            assert ra[key] == pytest.approx(rb[key], rel=REL), (key, ra, rb)
+
+
+@pytest.mark.xla
+def test_dict_items_and_a_two_term_loss_train_alike_on_four_xla_cpu_devices(pipeline_cpu, tmp_path):
+    history, _ = _pipeline(["xla", "4", "4", "3", str(tmp_path)], env={"PJRT_DEVICE": "CPU"})
+    _assert_same_terms(history, pipeline_cpu[0])
+
+
+@pytest.mark.multiprocess
+def test_dict_items_and_a_two_term_loss_train_alike_under_torchrun(pipeline_cpu, tmp_path):
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    history, _ = _pipeline(["cpu", "2", "8", "3", str(tmp_path)],
+                           launcher=(torchrun, "--nproc-per-node", "2", "--master-port", "0", "--standalone"))
+    _assert_same_terms(history, pipeline_cpu[0])
+
+
+@pytest.mark.xla
+def test_one_cycle_per_step_never_recompiles_on_xla_and_ends_at_its_own_rate(tmp_path):
+    import torch
+
+    history, last = _pipeline(["xla", "4", "4", "3", str(tmp_path), "onecycle"], env={"PJRT_DEVICE": "CPU"})
+    compiles = [row["xla_compilations"] for row in history]
+    assert compiles == [compiles[0]] * 3, compiles  # nothing compiled after the first epoch
+    diagnostics = json.loads((tmp_path / "diagnostics.json").read_text())
+    assert diagnostics["clean"], diagnostics["findings"]
+    # 128 samples / global batch 16 = 8 optimizer steps per epoch, 24 in all.
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.05, momentum=0.9)
+    reference = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=24)
+    for _ in range(24):
+        opt.step()
+        reference.step()
+    assert last["scheduler_steps"] == 24
+    assert last["final_lr"] == pytest.approx(reference.get_last_lr()[0])

@@ -167,6 +167,7 @@ class Trainer:
         self._run_dir = Path(cfg.run_dir)
         self._nonfinite: tuple[int, int, int, int] | None = None  # set by a deferred read
         self._config_record: dict[str, Any] = {}
+        self._term_names: list[str] = []  # the loss's named terms, learnt in the dry run
         self._diag: RunDiagnostics | None = None
 
     # ----------------------------------------------------------------------------------------
@@ -329,7 +330,9 @@ class Trainer:
                     args, targets = self.layout.split(batch)
                     with be.autocast(self.config.precision):
                         outputs = model(*args)
-                        loss_terms(self.loss_fn(outputs, targets))
+                        _, terms = loss_terms(self.loss_fn(outputs, targets))
+                    if role == "training":
+                        self._term_names = list(terms)
                     if role == "validation" or self._eval_loss is None:
                         self._eval_loss = EvalLoss.choose(self.loss_fn, as_float(outputs), targets)
                     if role == "validation":
@@ -389,11 +392,15 @@ class Trainer:
                 cursor.global_step += 1
             sums["loss"] = sums["loss"] + (torch.where(finite, loss, 0.0) if guard else loss)
             sums["nonfinite"] = sums["nonfinite"] + (~finite).float()
+            if list(terms) != self._term_names:
+                raise ValueError(
+                    f"loss_fn returned the terms {list(terms)} at epoch {cursor.epoch} step {step} but "
+                    f"{self._term_names} before: return the same named terms at every step"
+                )
             for name, term in terms.items():
                 term = term.detach().float()
                 term = torch.where(finite, term, 0.0) if guard else term
-                key = f"term.{name}"
-                sums[key] = sums[key] + term if key in sums else term
+                sums[f"term.{name}"] = sums[f"term.{name}"] + term
             be.step_end()
             cursor.step = step
             if step % cfg.log_every == 0 and step < num_steps:
@@ -416,8 +423,11 @@ class Trainer:
 
     # --- checkpoints, resume, preemption, numerical faults ------------------------------------
     def _new_sums(self) -> dict[str, torch.Tensor]:
-        device = self.backend.device
-        return {"loss": torch.zeros((), device=device), "nonfinite": torch.zeros((), device=device)}
+        # Every running sum exists from the first step, the loss's terms included, so each step
+        # of an epoch has the same structure (on XLA, the same graph). Made on the host and sent
+        # as data: zeros made on an XLA device would be a small graph of their own to compile.
+        names = ["loss", "nonfinite", *(f"term.{t}" for t in self._term_names)]
+        return {name: torch.zeros(()).to(self.backend.device) for name in names}
 
     def _open_run_dir(self, resume: bool | str) -> None:
         """``resume=False`` never writes into an existing run: it picks ``run_dir-2``, ``-3``, ..."""
