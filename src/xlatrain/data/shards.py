@@ -325,7 +325,9 @@ class ShardOptions:
             evaluation; a shard whose index is unreadable is left out; all are counted in
             :attr:`ShardDataset.num_skipped`).
         verify_checksums: hash every shard at open and compare with the manifest (reads all the
-            data once); records are always checked against their CRC32 when read.
+            data once). Records are always checked against their CRC32: by each process the
+            first time it reads them, and again after their shard file changes (its size or
+            modification time).
     """
 
     image_size: int | tuple[int, int] | None = None
@@ -463,6 +465,11 @@ class _BatchReader:
         self._fds: dict[int, int] = {}
         self._views: dict[int, memoryview] = {}
         self._pid = os.getpid()
+        # Records whose bytes this process has checked against their CRC32, and each shard
+        # file's (size, modification time) when they were: a record is checked again only if
+        # its file changed since. A CRC32 costs as much per byte as a few percent of a decode.
+        self._checked: np.ndarray | None = None
+        self._stamps: dict[int, tuple[int, int]] = {}
         # (stored height, width, grey) -> simplejpeg arguments that decode straight to the output size
         self._requests: dict[tuple[int, int, bool], dict[str, Any]] = {}
 
@@ -481,8 +488,26 @@ class _BatchReader:
     def _own_files(self) -> None:
         if self._pid != os.getpid():
             # A forked worker: pread never moves a shared offset, but the parent may close its
-            # descriptors at any time, so the child opens its own.
+            # descriptors at any time, so the child opens its own (and checks records itself).
             self._fds, self._views, self._pid = {}, {}, os.getpid()
+            self._checked, self._stamps = None, {}
+
+    def _unchecked(self, gids: np.ndarray, shards: Iterable[int]) -> list[bool]:
+        """Which records of ``gids`` (in ``shards``) this process has yet to check against their CRC32."""
+        if self._checked is None:
+            self._checked = np.zeros(len(self.index.length), dtype=bool)
+        for shard in shards:
+            try:
+                fd = self._fds.get(shard) or self._open(shard)
+            except _BadRecord:
+                continue  # reading the record says so
+            info = os.fstat(fd)
+            stamp = (info.st_size, info.st_mtime_ns)
+            if self._stamps.get(shard) != stamp:
+                if shard in self._stamps:  # written to since its records were checked
+                    self._checked[self.index.shard == shard] = False
+                self._stamps[shard] = stamp
+        return (~self._checked[gids]).tolist()
 
     def _open(self, shard: int) -> int:
         path = self.index.root / self.index.shard_names[shard]
@@ -498,7 +523,8 @@ class _BatchReader:
         view = self._views[shard] = memoryview(mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else b"")
         return view
 
-    def _read(self, shard: int, start: int, length: int, crc: int) -> bytes | memoryview:
+    def _read(self, shard: int, start: int, length: int, crc: int | None) -> bytes | memoryview:
+        """A record's bytes, checked against ``crc`` unless it is ``None``."""
         if length < 0:
             raise _BadRecord("its shard could not be opened")
         if self.map_files:
@@ -508,7 +534,7 @@ class _BatchReader:
             data = os.pread(self._fds.get(shard) or self._open(shard), length, start)
         if len(data) != length:
             raise _BadRecord(f"the shard is truncated ({len(data)} of {length} bytes readable)")
-        if zlib.crc32(data) != crc:
+        if crc is not None and zlib.crc32(data) != crc:
             raise _BadRecord("CRC32 checksum mismatch (the stored bytes changed)")
         return data
 
@@ -590,22 +616,25 @@ class _BatchReader:
         gids = self.ids[positions]
         # Per batch, not per record: indexing numpy arrays one scalar at a time costs more
         # than reading the record.
+        self._own_files()
+        shards = ix.shard[gids].tolist()
         columns = zip(
-            gids.tolist(), ix.shard[gids].tolist(), ix.start[gids].tolist(), ix.length[gids].tolist(),
-            ix.crc32[gids].tolist(), ix.height[gids].tolist(), ix.width[gids].tolist(), ix.channels[gids].tolist(),
+            gids.tolist(), shards, ix.start[gids].tolist(), ix.length[gids].tolist(), ix.crc32[gids].tolist(),
+            self._unchecked(gids, set(shards)), ix.height[gids].tolist(), ix.width[gids].tolist(), ix.channels[gids].tolist(),
         )
         grey_out = opts.channels == 1
         out_h, out_w = self.size
         planes = rows[:, 0]
         requests = self._requests
+        checked = self._checked
         decode_jpeg = simplejpeg.decode_jpeg
-        self._own_files()
         bad_rows, skipped = [], []
-        for row, (gid, shard, start, length, crc, height, width, channels) in enumerate(columns):
+        for row, (gid, shard, start, length, crc, unchecked, height, width, channels) in enumerate(columns):
             rand = _Uniforms(seed, epoch, gid) if aug is not None else None
             grey = grey_out or channels == 1
             try:
-                data = self._read(shard, start, length, crc)
+                data = self._read(shard, start, length, crc if unchecked else None)
+                checked[gid] = True  # type: ignore[index]
                 request = None if geometric else requests.get((height, width, grey))
                 if request is None and not geometric:
                     request = requests[height, width, grey] = self._direct_request(height, width, grey)
@@ -676,6 +705,7 @@ class _Slots:
         self.buffer = torch.empty(num_slots * slot_bytes, dtype=torch.uint8).share_memory_()
         self.slot_bytes = slot_bytes
         self._rows = self.buffer.numpy()
+        self._views: dict[tuple[int, tuple[int, ...]], np.ndarray] = {}
         # Last in, first out: the slot freed last is still in the CPU caches.
         self._free = list(range(num_slots - 1, -1, -1))
 
@@ -689,8 +719,11 @@ class _Slots:
         self._free.append(slot)  # list.append is atomic: a batch may be freed in any thread
 
     def lend(self, slot: int, shape: tuple[int, ...]) -> torch.Tensor:
-        start = slot * self.slot_bytes
-        rows = self._rows[start : start + math.prod(shape)].reshape(shape).view(_Lent)
+        view = self._views.get((slot, shape))
+        if view is None:
+            start = slot * self.slot_bytes
+            view = self._views[slot, shape] = self._rows[start : start + math.prod(shape)].reshape(shape)
+        rows = view.view(_Lent)
         rows.lease = (self, slot)
         return torch.from_numpy(rows)
 
@@ -793,8 +826,10 @@ class _Workers:
         depth = num_workers * self.prefetch_batches
         for k in range(min(depth, len(tasks))):
             self._send(k % num_workers, tasks[k])
+        pending, slots, labels = self._pending, self.slots, self.reader.labels
+        shape = self.reader.batch_shape(len(tasks[0].positions)) if tasks else ()
         for k, task in enumerate(tasks):
-            worker, slot = self._pending.popleft()
+            worker, slot = pending.popleft()
             ok, result = self._receive(worker, slot)
             if k + depth < len(tasks):
                 self._send(worker, tasks[k + depth])  # the same worker: (k + depth) % num_workers
@@ -802,8 +837,8 @@ class _Workers:
                 raise result
             images, bad_rows, skipped = result
             if images is None:
-                images = self.slots.lend(slot, self.reader.batch_shape(len(task.positions)))  # type: ignore[arg-type]
-            yield (images, *self.reader.labels(task, bad_rows), skipped)
+                images = slots.lend(slot, shape)  # type: ignore[arg-type]
+            yield (images, *labels(task, bad_rows), skipped)
 
     def _send(self, worker: int, task: _Task) -> None:
         slot = self.slots.take()
