@@ -1,11 +1,13 @@
 """XlaBackend details on real XLA:CPU, each in a fresh process."""
 
+import json
 import subprocess
 import sys
 
 import pytest
 
-from conftest import SCRIPTS, run_script
+from conftest import SCRIPTS, run_command, run_script, script_env
+from xlatrain.backend.xla import cpu_runtime_defaults
 
 TIED = """
 import torch
@@ -39,3 +41,190 @@ def test_the_compile_cache_is_written_and_the_second_run_reports_what_it_got(tmp
     # torch_xla 2.9 cannot deserialize its own entries, and the history says so.
     got = second[-1]["xla_cache_hits"] + second[-1]["xla_cache_load_failures"]
     assert got == compiled and second[-1]["xla_cache_misses"] == 0
+
+
+LOADER = """
+import json
+import torch
+import torch_xla
+import torch_xla.debug.metrics as met
+import xlatrain
+
+be = xlatrain.select_backend("xla", devices=2)
+host = [({"a": torch.full((4, 3), float(i)), "b": (torch.arange(4) + i,)}, torch.ones(4) * i) for i in range(5)]
+torch_xla.sync()
+cuts = met.counter_value("MarkStep") or 0
+got = []
+for inputs, targets in be.wrap_loader(host):
+    got.append((inputs, targets))
+cuts = (met.counter_value("MarkStep") or 0) - cuts
+first, targets = got[0]
+spec = torch_xla._XLAC._get_xla_sharding_spec(first["a"])
+
+
+def failing():
+    yield host[0]
+    raise ValueError("item 7 is corrupt")
+
+
+try:
+    for _ in be.wrap_loader(failing()):
+        pass
+    error = None
+except ValueError as exc:
+    error = str(exc)
+print("RESULT " + json.dumps({
+    "cuts": cuts, "batches": len(got), "structure": [type(b).__name__ for b in (got[0], first, first["b"])],
+    "device": first["a"].device.type, "spec": spec,
+    "values": all(torch.equal(x["a"].cpu(), h[0]["a"]) and torch.equal(x["b"][0].cpu(), h[0]["b"][0])
+                  and torch.equal(y.cpu(), h[1]) for (x, y), h in zip(got, host)),
+    "error": error, "aliasing": __import__("os").environ.get("XLA_ENABLE_PARAM_ALIASING"),
+}))
+"""
+
+
+def _result(proc: subprocess.CompletedProcess) -> dict:
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, proc.stdout + proc.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.mark.xla
+def test_the_device_loader_keeps_batches_whole_sharded_and_leaves_graph_cuts_to_the_step(tmp_path):
+    got = _result(run_command([sys.executable, "-c", LOADER], env={"PJRT_DEVICE": "CPU"}))
+    assert got["batches"] == 5 and got["values"] and got["device"] == "xla"
+    assert got["structure"] == ["tuple", "dict", "tuple"]  # torch_xla's own loader returns lists
+    assert "devices=[2,1]" in got["spec"]  # dim 0 split over the two devices of the data axis
+    # One cut before the first batch and one when the data runs out, none per batch: the
+    # Trainer's step_end cuts each step, and a second cut would wait for the step to finish.
+    assert got["cuts"] <= 2
+    # A failing dataset fails the epoch instead of ending it early as if the data had run out.
+    assert got["error"] == "item 7 is corrupt"
+    assert got["aliasing"] == "0"
+
+
+STEPS = """
+import functools, json, sys
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+import torch_xla.debug.metrics as met
+import xlatrain
+from xlatrain.diagnostics import xla_metrics
+
+mode, dropout = sys.argv[1], sys.argv[2] == "dropout"
+torch.manual_seed(0)
+layers = [nn.Linear(8, 32), nn.ReLU()] + ([nn.Dropout(0.3)] if dropout else []) + [nn.Linear(32, 2)]
+trainer = xlatrain.Trainer(
+    nn.Sequential(*layers), nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9),
+    config=xlatrain.TrainConfig(epochs=3, batch_size=8, log_every=5, run_dir=sys.argv[3]),
+    checkpoint=xlatrain.CheckpointConfig(enabled=False),
+    backend=xlatrain.BackendConfig(accelerator="xla", devices=1, xla_mode=mode),
+)
+rows, train_epoch = [], trainer._train_epoch
+
+
+def counted(*args):
+    before, cuts = xla_metrics.snapshot(), met.counter_value("MarkStep") or 0
+    out = train_epoch(*args)
+    cost = xla_metrics.diff(before, xla_metrics.snapshot())
+    rows.append({"uploads": cost["transfer_to_device_count"], "cuts": (met.counter_value("MarkStep") or 0) - cuts,
+                 "compiles": cost["compile_count"]})
+    return out
+
+
+trainer._train_epoch = counted
+g = torch.Generator().manual_seed(0)
+x = torch.randn(96, 8, generator=g)
+trainer.fit(TensorDataset(x, (x[:, 0] > 0).long()))
+print("RESULT " + json.dumps(rows))
+"""
+
+
+@pytest.mark.xla
+@pytest.mark.parametrize("mode", ["spmd", "multiprocess"])
+def test_a_training_step_uploads_its_batch_and_torch_xla_seed_only_and_cuts_the_graph_once(tmp_path, mode):
+    """96 samples in batches of 8: 12 steps an epoch. SGD with momentum has no per-step scalar
+    to upload, so what goes to the device is the batch and, with dropout, the one random seed
+    torch_xla uploads for every graph that draws random numbers (the Trainer's per-step re-seed
+    only chooses its value)."""
+    steps = 12
+    # Under SPMD torch_xla uploads each batch tensor on its own; otherwise up to 8 batches at once.
+    batch_uploads = 2 * steps if mode == "spmd" else -(-steps // 8)
+    for model in ("plain", "dropout"):
+        cmd = [sys.executable, "-c", STEPS, mode, model, str(tmp_path / f"{model}-{mode}")]
+        rows = _result(run_command(cmd, env={"PJRT_DEVICE": "CPU"}))
+        seeds = steps if model == "dropout" else 0
+        for row in rows[1:]:  # epoch 1 uploads the model and compiles
+            assert row["uploads"] == batch_uploads + seeds, (model, rows)
+            # One cut per step, plus one before the first batch, one at the end of the data and
+            # the epoch-end read: a loader that also cut at every batch would double it.
+            assert row["cuts"] <= steps + 3, (model, rows)
+
+
+def test_xla_cpu_defaults_fill_only_what_the_user_left_unset():
+    env: dict[str, str] = {}
+    cpu_runtime_defaults(env, torch_xla_imported=False)
+    assert env == {"XLA_ENABLE_PARAM_ALIASING": "0", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    mine = {"XLA_ENABLE_PARAM_ALIASING": "1", "TF_CPP_MIN_LOG_LEVEL": "0"}
+    cpu_runtime_defaults(mine, torch_xla_imported=False)
+    assert mine == {"XLA_ENABLE_PARAM_ALIASING": "1", "TF_CPP_MIN_LOG_LEVEL": "0"}
+    # Once torch_xla is imported it has set its own log level: whose choice it was is unknown.
+    late = {"TF_CPP_MIN_LOG_LEVEL": "1"}
+    cpu_runtime_defaults(late, torch_xla_imported=True)
+    assert late == {"TF_CPP_MIN_LOG_LEVEL": "1", "XLA_ENABLE_PARAM_ALIASING": "0"}
+
+
+@pytest.mark.xla
+def test_xla_cpu_runs_keep_the_console_free_of_repeated_runtime_warnings_unless_asked(tmp_path):
+    """SPMD over 4 devices, twice with one cache: XLA warns of GSPMD's deprecation at every
+    compilation and, in the second run, torch_xla fails to load each cached graph."""
+    env = script_env({"PJRT_DEVICE": "CPU", "XLATRAIN_CACHE_DIR": str(tmp_path / "cache")})
+    env.pop("TF_CPP_MIN_LOG_LEVEL", None)
+
+    def stderr(run: str, **extra: str) -> str:
+        cmd = [sys.executable, str(SCRIPTS / "compile_count.py"), str(tmp_path / run)]
+        proc = subprocess.run(cmd, env={**env, **extra}, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stderr
+
+    quiet = stderr("a") + stderr("b")
+    assert "GSPMD" not in quiet and "Failed to deserialize" not in quiet, quiet[-3000:]
+    asked = stderr("c", TF_CPP_MIN_LOG_LEVEL="1")
+    assert "GSPMD sharding propagation is going to be deprecated" in asked
+    assert "Failed to deserialize executable" in asked
+
+
+DROPOUT = """
+import functools, json, sys
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+import xlatrain
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Dropout(0.5), nn.Linear(64, 2))
+trainer = xlatrain.Trainer(
+    model, nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1),
+    config=xlatrain.TrainConfig(epochs=2, batch_size=8, log_every=4, run_dir=sys.argv[2]),
+    checkpoint=xlatrain.CheckpointConfig(every_steps=int(sys.argv[1])) if sys.argv[1] != "0"
+    else xlatrain.CheckpointConfig(enabled=False),
+    backend=xlatrain.BackendConfig(accelerator="xla", devices=1, xla_mode="multiprocess"),
+)
+g = torch.Generator().manual_seed(0)
+x = torch.randn(64, 8, generator=g)
+history = trainer.fit(TensorDataset(x, (x[:, 0] > 0).long()))
+print("RESULT " + json.dumps([row["train_loss"] for row in history]))
+"""
+
+
+@pytest.mark.xla
+def test_dropout_masks_depend_on_the_step_not_on_how_often_the_host_synced(tmp_path):
+    """Checkpoints every 3 steps read the device (each read a graph cut, and torch_xla moves its
+    random seed on at every cut), none in the other run: the masks, hence the losses, must not
+    change. Resuming mid-epoch relies on the same property (tests/train/test_resume.py)."""
+    losses = [
+        _result(run_command([sys.executable, "-c", DROPOUT, every, str(tmp_path / every)], env={"PJRT_DEVICE": "CPU"}))
+        for every in ("0", "3")
+    ]
+    assert losses[0] == losses[1]

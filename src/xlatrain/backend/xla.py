@@ -13,10 +13,12 @@ torch_xla is imported only inside this module's functions, so ``import xlatrain`
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import random
-from collections.abc import Callable, Iterable, Iterator, Sequence
+import sys
+from collections.abc import Callable, Iterable, Iterator, MutableMapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -45,12 +47,35 @@ def configure_runtime(devices: int | None) -> None:
     """
     if "PJRT_DEVICE" not in os.environ:  # set before torch_xla is imported, which reads it
         os.environ["PJRT_DEVICE"] = "TPU" if tpu_chip_count() > 0 else "CPU"
+    if os.environ["PJRT_DEVICE"].upper() == "CPU":
+        cpu_runtime_defaults(os.environ, torch_xla_imported="torch_xla" in sys.modules)
     import torch_xla
 
     if torch_xla._XLAC._xla_runtime_is_initialized():
         return
     if os.environ["PJRT_DEVICE"].upper() == "CPU":
         os.environ["CPU_NUM_DEVICES"] = str(devices or int(os.environ.get("CPU_NUM_DEVICES", "1")))
+
+
+def cpu_runtime_defaults(env: MutableMapping[str, str], torch_xla_imported: bool) -> None:
+    """Settings for XLA:CPU that the user has not chosen, written into ``env`` before torch_xla reads them.
+
+    - ``XLA_ENABLE_PARAM_ALIASING=0``: XLA:CPU frees a parameter buffer donated to a step only
+      once that step has run, and the thread that launched the step waits for it, so the host
+      cannot trace step N+1 while step N runs. Donation saves device memory; on the CPU that
+      is host memory. TPUs keep donating.
+    - ``TF_CPP_MIN_LOG_LEVEL=2``: torch_xla's C++ warnings off, errors still shown. On XLA:CPU
+      they repeat at every compilation: XLA's notice that GSPMD sharding propagation will be
+      deprecated (each SPMD graph), and "Failed to deserialize executable" for each graph
+      looked up in the persistent cache, which XLA:CPU cannot load (the run's counters still
+      record that). It is the narrowest switch the C++ logging has (only a minimum level), so
+      every other C++ warning goes too; ``TF_CPP_MIN_LOG_LEVEL=1`` brings them all back. Left
+      alone once torch_xla is imported: it has set its own default and there is no telling
+      whether the user chose the value.
+    """
+    env.setdefault("XLA_ENABLE_PARAM_ALIASING", "0")
+    if not torch_xla_imported:
+        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
 def spawn(fn: Callable[..., Any], args: tuple[Any, ...] = (), devices: int | None = None) -> None:
@@ -148,11 +173,8 @@ class XlaBackend:
         return model
 
     def wrap_loader(self, loader: Iterable[Any]) -> Iterable[Any]:
-        import torch_xla.distributed.parallel_loader as pl
-
-        if self._mesh is None:
-            return pl.MpDeviceLoader(loader, self.device)
-        return _ShardedLoader(loader, self.device, self._mesh, minibatch=self.num_processes > 1)
+        sharding = None if self._mesh is None else _BatchSharding(self._mesh, minibatch=self.num_processes > 1)
+        return _DeviceLoader(loader, self.device, sharding)
 
     def autocast(self, precision: str) -> contextlib.AbstractContextManager[Any]:
         if precision == "bf16":
@@ -301,50 +323,94 @@ def _start_compile_cache(mode: str) -> str | None:
     return str(path)
 
 
-class _ShardedLoader:
-    """Host batches to the device with dim 0 sharded over the mesh's ``data`` axis.
+# torch_xla's loader cuts the graph (torch_xla.sync) every this many batches. The caller's
+# step_end already cuts it once per step, so the loader never should.
+_NO_LOADER_SYNC = 2**62
 
-    torch_xla's loader takes one sharding spec per dict key, so each batch travels as a dict of
-    its flattened tensors (specs sized to each tensor's rank) and is rebuilt on the other side.
-    Transfer runs in torch_xla's background threads, ahead of the step that needs it.
+
+class _BatchSharding:
+    """Dim 0 of every batch tensor over the mesh's ``data`` axis, whatever the tensor's rank.
+
+    Duck-types the one ``ShardingSpec`` torch_xla's loader accepts for all tensors
+    (``xla_spec(t)`` per tensor, and ``minibatch``), so a whole batch structure travels as is:
+    a single spec would fit only tensors of its own rank, a dict of specs only dict batches.
     """
 
-    def __init__(self, loader: Iterable[Any], device: torch.device, mesh: Any, minibatch: bool) -> None:
+    def __init__(self, mesh: Any, minibatch: bool) -> None:
+        self.mesh = mesh
+        self.minibatch = minibatch
+        self._by_rank: dict[int, Any] = {}
+
+    def xla_spec(self, t: torch.Tensor) -> Any:
+        if t.dim() == 0:
+            return None  # a scalar is replicated
+        spec = self._by_rank.get(t.dim())
+        if spec is None:
+            import torch_xla.distributed.spmd as xs
+
+            partition = ("data",) + (None,) * (t.dim() - 1)
+            spec = self._by_rank[t.dim()] = xs.ShardingSpec(self.mesh, partition, minibatch=self.minibatch)
+        return spec.xla_spec(t)
+
+
+class _DeviceLoader:
+    """Host batches to the device in torch_xla's background threads, ahead of the step that needs them.
+
+    Unlike ``MpDeviceLoader``, taking a batch does not cut the graph: the caller's ``step_end``
+    does, once per step. A second cut right after it has nothing to run, yet waits for the step
+    just launched to finish (torch_xla's barrier on an empty sync), so the host could not trace
+    step N+1 while the device runs step N. Batches keep their structure (tuples stay tuples).
+    """
+
+    def __init__(self, loader: Iterable[Any], device: torch.device, sharding: _BatchSharding | None) -> None:
         self._loader = loader
         self._device = device
-        self._mesh = mesh
-        self._minibatch = minibatch
+        self._sharding = sharding
 
     def __len__(self) -> int:
         return len(self._loader)  # type: ignore[arg-type]
 
     def __iter__(self) -> Iterator[Any]:
+        import torch_xla
         import torch_xla.distributed.parallel_loader as pl
-        import torch_xla.distributed.spmd as xs
 
-        host = iter(self._loader)
+        # Work queued before the first batch (fresh running sums, restored state) runs as a
+        # graph of its own, so the first step traces the same graph in every epoch.
+        torch_xla.sync()
+        host = _Flattened(self._loader)
+        parallel = pl.ParallelLoader(
+            host, [self._device], batches_per_execution=_NO_LOADER_SYNC, input_sharding=self._sharding
+        )
         try:
-            first = next(host)
-        except StopIteration:
-            return
-        leaves, spec = tree_flatten(first)
-        shardings = {
-            str(i): xs.ShardingSpec(self._mesh, ("data",) + (None,) * (t.dim() - 1), minibatch=self._minibatch)
-            for i, t in enumerate(leaves)
-        }
+            for leaves in parallel.per_device_loader(self._device):
+                yield tree_unflatten(leaves, host.specs.popleft())
+        finally:
+            parallel.close()  # an epoch left early (preemption, an error) stops the threads
+        if host.error is not None:
+            raise host.error
 
-        class _Flat:
-            def __len__(_) -> int:
-                return len(self)
 
-            def __iter__(_) -> Iterator[dict[str, torch.Tensor]]:
-                batch = first
-                while True:
-                    yield {str(i): t for i, t in enumerate(tree_flatten(batch)[0])}
-                    try:
-                        batch = next(host)
-                    except StopIteration:
-                        return
+class _Flattened:
+    """``loader``'s batches as lists of tensors for torch_xla's loader threads.
 
-        for flat in pl.MpDeviceLoader(_Flat(), self._device, input_sharding=shardings):
-            yield tree_unflatten([flat[str(i)] for i in range(len(leaves))], spec)
+    Their tree specs queue up in ``specs`` in batch order (one loader thread and one transfer
+    thread keep it). An error from ``loader`` is kept in ``error``: torch_xla's loader thread
+    would print it and end the epoch early as if the data had run out.
+    """
+
+    def __init__(self, loader: Iterable[Any]) -> None:
+        self._loader = loader
+        self.specs: collections.deque[Any] = collections.deque()
+        self.error: BaseException | None = None
+
+    def __len__(self) -> int:
+        return len(self._loader)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[list[Any]]:
+        try:
+            for batch in self._loader:
+                leaves, spec = tree_flatten(batch)
+                self.specs.append(spec)
+                yield leaves
+        except Exception as exc:
+            self.error = exc
