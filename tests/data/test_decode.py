@@ -4,7 +4,7 @@ import simplejpeg
 import torch
 from PIL import Image
 
-from xlatrain.data.decode import as_size, decode, decode_tensor, read_header, resize, rotate
+from xlatrain.data.decode import as_size, dct_request, decode, decode_tensor, read_header, resize, rotate
 
 
 def _jpeg(h=64, w=48, channels=1, quality=95):
@@ -75,3 +75,25 @@ def test_corrupt_bytes_and_bad_arguments_raise_value_error():
         decode(data, channels=2)
     with pytest.raises(ValueError, match="size"):
         decode(data, size=(0, 4))
+
+
+@pytest.mark.parametrize("stored", [(64, 64), (61, 47), (200, 130), (33, 90)])
+def test_dct_request_predicts_the_size_libjpeg_decodes_to(stored):
+    data = _jpeg(*stored)
+    for out in [(8, 8), (16, 12), (23, 17), (stored[0] // 2, stored[1] // 2), (stored[0] // 2 + 1, 4)]:
+        request, scaled = dct_request(stored, stored, out)
+        decoded = simplejpeg.decode_jpeg(data, colorspace="GRAY", **request)
+        assert decoded.shape[:2] == scaled
+        assert scaled[0] >= out[0] and scaled[1] >= out[1] if request else scaled == stored
+
+
+@pytest.mark.parametrize("kwargs", [dict(size=32), dict(size=(20, 30)), dict(crop=(8, 4, 40, 40), size=16), dict()])
+def test_decoding_into_an_array_gives_what_decoding_returns(kwargs):
+    data = _jpeg(64, 64, channels=1)
+    expected = decode(data, channels=1, **kwargs)
+    out = np.full(expected.shape, 7, dtype=np.uint8)
+    assert decode(data, channels=1, out=out, **kwargs) is out and np.array_equal(out, expected)
+    strided = np.zeros((2, *expected.shape), dtype=np.uint8)[:, ::-1][1]  # not contiguous: no decode into it
+    assert np.array_equal(decode(data, channels=1, out=strided, **kwargs), expected)
+    with pytest.raises(ValueError, match="out has shape"):
+        decode(data, channels=3, out=out, **kwargs)

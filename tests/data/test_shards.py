@@ -1,6 +1,10 @@
 import functools
+import gc
 import json
 import logging
+import mmap
+import os
+import signal
 
 import numpy as np
 import pytest
@@ -40,7 +44,7 @@ def _make(root, num=NUM, size=16, shard_bytes=2500):
     (root / "t.csv").write_text("\n".join(lines) + "\n")
     summary = pack(root / "t.csv", images, root / "s", path_columns=["path"], labels=["rid", "cls"], group="grp",
                    shard_bytes=shard_bytes, progress=False)
-    assert summary.num_records == num and summary.num_shards > 5
+    assert summary.num_records == num and summary.num_shards > num * 200 // shard_bytes
     return root / "s"
 
 
@@ -317,3 +321,177 @@ def test_trainer_fits_shard_datasets_and_evaluates_every_record_once(tmp_path):
     assert predictions.shape == (len(val), 1)
     assert np.isfinite(predictions.numpy()).all()
     train.close()
+
+
+# --------------------------------------------------------------------------------------------
+# Worker processes, shared batch slots, decoding straight into the batch
+
+
+def _make_colour(root, num=24, size=16):
+    images = root / "img"
+    images.mkdir(parents=True)
+    yy, xx = np.mgrid[:size, :size]
+    lines = ["path,rid"]
+    for i in range(num):
+        rgb = np.stack([(xx * 9 + i) % 256, (yy * 11 + 3 * i) % 256, (xx * yy + i) % 256], axis=2).astype(np.uint8)
+        (images / f"{i}.jpg").write_bytes(simplejpeg.encode_jpeg(rgb, quality=95, colorspace="RGB"))
+        lines.append(f"{i}.jpg,{i}")
+    (root / "t.csv").write_text("\n".join(lines) + "\n")
+    pack(root / "t.csv", images, root / "s", path_columns=["path"], labels=["rid"], shard_bytes=3000, progress=False)
+    return root / "s"
+
+
+@pytest.fixture(scope="module")
+def colour_shards(tmp_path_factory):
+    return _make_colour(tmp_path_factory.mktemp("colour"))
+
+
+def _all(ds, b=8, epoch=1, training=True):
+    if training:
+        return list(ds.train_batches(loader_batch=b, num_processes=1, process_index=0, seed=3, epoch=epoch))
+    return list(ds.eval_batches(loader_batch=b, num_processes=1, process_index=0))
+
+
+def _same(a, b):
+    flat = lambda batches: [t for batch in batches for t in torch.utils._pytree.tree_leaves(batch)]  # noqa: E731
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(flat(a), flat(b)))
+
+
+CASES = [
+    # (fixture, options): every way a record reaches its row
+    ("shards", dict(image_size=8, channels=1)),  # luma decoded by DCT scaling straight into the row
+    ("shards", dict(image_size=8, channels=3)),  # ... and copied to the other two planes
+    ("shards", dict(channels=1)),  # stored size: straight into the row, no scaling
+    ("shards", dict(image_size=(12, 10), channels=1)),  # a resize after decoding
+    ("shards", dict(image_size=8, channels=1, augment=Augment(hflip=0.5, vflip=0.5))),  # flips in place
+    ("shards", dict(image_size=8, channels=3, augment=AUG)),  # crops and rotations
+    ("colour_shards", dict(image_size=8, channels=3)),  # interleaved RGB, transposed into the planes
+    ("colour_shards", dict(image_size=8, channels=1)),  # a colour record's luma
+]
+
+
+@pytest.mark.parametrize("fixture,options", CASES)
+def test_worker_batches_are_the_in_process_batches(request, fixture, options):
+    root = request.getfixturevalue(fixture)
+    plain = ShardDataset(root, **options)
+    with ShardDataset(root, num_workers=2, prefetch_batches=1, **options) as workers:
+        for epoch in (1, 2):
+            assert _same(_all(plain, epoch=epoch), _all(workers, epoch=epoch))
+        assert _same(_all(plain, training=False), _all(workers, training=False))
+
+
+@pytest.mark.parametrize("fixture,options", [c for c in CASES if "augment" not in c[1]])
+def test_batch_rows_are_the_records_decoded_one_by_one(request, fixture, options):
+    root = request.getfixturevalue(fixture)
+    ds = ShardDataset(root, shuffle=False, **options)
+    (x, y), = _all(ds, b=len(ds) // 2 * 2, epoch=1)[:1]
+    one_by_one = torch.stack([ds[i][0] for i in y[:, 0].long().tolist()])
+    assert x.dtype == torch.uint8 and torch.equal(x, one_by_one)
+
+
+def test_batches_kept_by_the_consumer_are_never_overwritten(shards):
+    # Far more batches than shared slots: the slots are lent until the batches are freed, and
+    # once every slot is out the workers allocate batches of their own.
+    plain = _all(ShardDataset(shards, image_size=8, channels=1), b=2)
+    with ShardDataset(shards, image_size=8, channels=1, num_workers=2, prefetch_batches=1) as ds:
+        kept = _all(ds, b=2)
+        views = [x[:1] for x, _ in kept[:3]]  # a view keeps its batch's slot as well
+        assert len(kept) > 2 * len(ds._workers.slots._free) and _same(plain, kept)
+        second = _all(ds, b=2, epoch=2)
+        assert _same(_all(ShardDataset(shards, image_size=8, channels=1), b=2, epoch=2), second)
+        assert all(torch.equal(v, x[:1]) for v, (x, _) in zip(views, plain[:3]))
+        slots = ds._workers.slots
+        del kept, second, views
+        free = len(slots._free)
+        assert free == slots.buffer.numel() // slots.slot_bytes  # every slot back once the batches are gone
+
+
+def test_an_abandoned_pass_leaves_the_workers_ready_for_the_next(shards):
+    plain = ShardDataset(shards, image_size=8, channels=1)
+    with ShardDataset(shards, image_size=8, channels=1, num_workers=2) as ds:
+        unfinished = iter(ds.train_batches(loader_batch=4, num_processes=1, process_index=0, seed=3, epoch=1))
+        first = next(unfinished)
+        assert _same(_all(plain, b=4, training=False), _all(ds, b=4, training=False))
+        assert _same(_all(plain, b=8, epoch=2), _all(ds, b=8, epoch=2))  # larger batches: new slots
+        assert torch.equal(first[0], _all(plain, b=4)[0][0])
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+
+
+def _shm_entries():
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def test_workers_stop_on_close_or_collection_and_leave_no_shared_memory(shards):
+    before = _shm_entries()
+    ds = ShardDataset(shards, image_size=8, num_workers=2)
+    batches = _all(ds)
+    pids = [p.pid for p in ds._workers._procs]
+    assert len(pids) == 2 and all(_alive(p) for p in pids)
+    ds.close()
+    assert not any(_alive(p) for p in pids)
+    assert torch.equal(batches[0][0], _all(ShardDataset(shards, image_size=8))[0][0])  # still valid after close
+    again = ShardDataset(shards, image_size=8, num_workers=2)
+    _all(again)
+    pids = [p.pid for p in again._workers._procs]
+    del again
+    gc.collect()
+    assert not any(_alive(p) for p in pids)
+    del batches
+    assert _shm_entries() <= before  # shared memory is unlinked as soon as it is mapped
+
+
+def test_a_worker_that_dies_is_named_and_replaced(shards):
+    with ShardDataset(shards, image_size=8, num_workers=2, prefetch_batches=1) as ds:
+        passes = iter(ds.train_batches(loader_batch=4, num_processes=1, process_index=0, seed=0, epoch=1))
+        next(passes)
+        os.kill(ds._workers._procs[1].pid, signal.SIGKILL)
+        with pytest.raises(RuntimeError, match=r"shard reader worker 1 \(pid \d+\) exited unexpectedly \(exit code -9"):
+            list(passes)
+        assert _same(_all(ShardDataset(shards, image_size=8), b=4), _all(ds, b=4))  # new workers for the next pass
+
+
+def test_a_shard_truncated_while_mapped_is_reported_as_such(tmp_path):
+    root = _make(tmp_path, shard_bytes=10**6)  # one shard of several memory pages
+    with ShardDataset(root, shuffle=False, num_workers=1) as ds:
+        _all(ds, b=4)  # the worker has mapped the shard
+        os.truncate(root / read_manifest(root)["shards"][0]["name"], mmap.PAGESIZE)  # records past it: no page
+        with pytest.raises(RuntimeError, match="SIGBUS: a shard file was truncated or overwritten in place"):
+            _all(ds, b=4)
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_a_shard_written_to_after_its_records_were_checked_is_checked_again(tmp_path, num_workers):
+    root = _make(tmp_path)
+    with ShardDataset(root, shuffle=False, num_workers=num_workers) as ds:
+        assert len(_all(ds, b=4)) == NUM // 4  # every record read, and checked, once
+        shard, _ = _corrupt_record(root, record=3)
+        with pytest.raises(ShardError, match=f"record 3 of shard {shard} .*CRC32 checksum mismatch"):
+            _all(ds, b=4)
+
+
+def test_pin_memory_pins_batches_for_cuda_and_is_a_no_op_without(shards, recwarn):
+    plain = _all(ShardDataset(shards, image_size=8))
+    with ShardDataset(shards, image_size=8, num_workers=1, pin_memory=True) as ds:
+        pinned = _all(ds)
+    assert _same(plain, pinned)
+    assert all(x.is_pinned() == torch.cuda.is_available() for x, _ in pinned)
+    assert not [w for w in recwarn if "pin" in str(w.message)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_pinned_batches_copy_to_cuda_asynchronously(shards):
+    with ShardDataset(shards, image_size=8, num_workers=2, pin_memory=True) as ds:
+        for x, y in ds.train_batches(loader_batch=8, num_processes=1, process_index=0, seed=0, epoch=1):
+            assert x.is_pinned()
+            on_gpu = x.to("cuda", non_blocking=True)
+            torch.cuda.synchronize()
+            assert torch.equal(on_gpu.cpu(), x)

@@ -480,8 +480,6 @@ class _BatchReader:
 
     def __del__(self) -> None:
         if getattr(self, "_pid", None) == os.getpid():
-            for view in getattr(self, "_views", {}).values():
-                view.release()
             for fd in getattr(self, "_fds", {}).values():
                 os.close(fd)
 
@@ -498,10 +496,11 @@ class _BatchReader:
             self._checked = np.zeros(len(self.index.length), dtype=bool)
         for shard in shards:
             try:
-                fd = self._fds.get(shard) or self._open(shard)
-            except _BadRecord:
-                continue  # reading the record says so
-            info = os.fstat(fd)
+                info = os.stat(self.index.root / self.index.shard_names[shard])
+            except OSError:
+                continue  # reading the record says what is wrong
+            # A file replaced by rename gets a new stamp too: its records are checked again
+            # (those already mapped or open are still the old file's, and still pass).
             stamp = (info.st_size, info.st_mtime_ns)
             if self._stamps.get(shard) != stamp:
                 if shard in self._stamps:  # written to since its records were checked
@@ -518,9 +517,17 @@ class _BatchReader:
         return fd
 
     def _map(self, shard: int) -> memoryview:
-        fd = self._fds.get(shard) or self._open(shard)
-        size = os.fstat(fd).st_size
-        view = self._views[shard] = memoryview(mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else b"")
+        path = self.index.root / self.index.shard_names[shard]
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as exc:
+            raise _BadRecord(f"cannot open the shard ({exc.strerror})") from None
+        try:
+            # The mapping holds a descriptor of its own: one per shard, as with pread.
+            size = os.fstat(fd).st_size
+            view = self._views[shard] = memoryview(mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else b"")
+        finally:
+            os.close(fd)
         return view
 
     def _read(self, shard: int, start: int, length: int, crc: int | None) -> bytes | memoryview:
@@ -614,9 +621,9 @@ class _BatchReader:
         # Crops and rotations resample the decoded image; flips are applied to the row in place.
         geometric = aug is not None and (aug.crop_scale is not None or aug.rotate_degrees != 0)
         gids = self.ids[positions]
+        self._own_files()
         # Per batch, not per record: indexing numpy arrays one scalar at a time costs more
         # than reading the record.
-        self._own_files()
         shards = ix.shard[gids].tolist()
         columns = zip(
             gids.tolist(), shards, ix.start[gids].tolist(), ix.length[gids].tolist(), ix.crc32[gids].tolist(),
