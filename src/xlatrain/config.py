@@ -112,6 +112,11 @@ class TrainConfig:
         strict: make a recompilation or an unplanned device read after the first epoch an error.
         compile: run the model under ``torch.compile`` (CPU, CUDA, TorchTPU; torch_xla compiles
             every step already): the training and evaluation graphs are compiled separately.
+        tensorboard: write TensorBoard event files to ``RUN_DIR/tb`` (training loss, learning
+            rate and samples/s per log interval; history columns per epoch; config as hparams).
+        profile_steps: ``(start, stop)``: trace those training steps (counted from 1 over the
+            run, both included) with torch.profiler, or torch_xla's profiler on XLA, into
+            ``RUN_DIR/profile/`` with a short summary; ``None`` traces nothing.
         run_dir: where history, best weights, checkpoints and plots go.
     """
 
@@ -135,6 +140,8 @@ class TrainConfig:
     diagnostics: bool = True
     strict: bool = False
     compile: bool = False
+    tensorboard: bool = True
+    profile_steps: tuple[int, int] | None = None
     run_dir: str = "runs/default"
 
     def __post_init__(self) -> None:
@@ -166,6 +173,10 @@ class TrainConfig:
         if self.early_stop_patience is not None:
             _positive_int("early_stop_patience", self.early_stop_patience)
         _choice("nan_policy", self.nan_policy, NAN_POLICIES)
+        if self.profile_steps is not None:
+            from xlatrain.diagnostics.profile import check_profile_steps
+
+            object.__setattr__(self, "profile_steps", check_profile_steps(self.profile_steps))
         if not self.run_dir:
             raise ValueError("run_dir is empty: give a directory for history and weights")
 

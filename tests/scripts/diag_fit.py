@@ -112,7 +112,7 @@ def main() -> None:
     if cause == "ragged":
         train = RaggedSource(images, labels)
     elif cause == "slow":
-        train = SlowImages(images, labels, delay_s=0.01)
+        train = SlowImages(images, labels, delay_s=0.03)
     per_step = BATCH * (devices or 1)
     torch.manual_seed(0)
     model = Net(planted_gain=cause == "scalar", steps_per_epoch=NUM_SAMPLES // per_step)

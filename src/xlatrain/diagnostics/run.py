@@ -111,8 +111,12 @@ def _steps(steps: list[int]) -> str:
 class RunDiagnostics:
     """Collects evidence during ``Trainer.fit``; ``finish`` turns it into findings and notes."""
 
-    def __init__(self, backend: Any, *, per_device_batch: int, strict: bool, grad_accum_steps: int = 1) -> None:
+    def __init__(
+        self, backend: Any, *, per_device_batch: int, strict: bool, grad_accum_steps: int = 1,
+        compile_watch: Any = None,
+    ) -> None:
         self._backend = backend
+        self._compile = compile_watch  # a started diagnostics.compile.CompileWatch under torch.compile
         self._accum = grad_accum_steps
         self._xla = backend.name == "xla"
         self._platform = backend.platform
@@ -314,8 +318,15 @@ class RunDiagnostics:
                 host_reads=d["transfer_from_device_count"], planned_reads=planned - self._planned,
                 scalar_reads=d["scalar_reads"], cpu_fallback_ops=d["cpu_fallback_ops"],
             )
+        if self._compile is not None:
+            tc = self._compile.end_epoch(epoch)
+            row.update(compilations=tc["compilations"], compile_s=tc["compile_s"],
+                       recompilations=tc["recompilations"], graph_breaks=tc["graph_breaks"])
         self._epochs.append(row)
         self._snap, self._planned, self._epoch_started, self._train_steps = snap, planned, now, 0
+        if self._strict and self._compile is not None and (err := self._compile.strict_error()):
+            self._compile.stop()
+            raise DiagnosticsError(err)
         if self._strict and epoch > (self._first_epoch or 1) and snap is not None:
             unplanned = row["host_reads"] - row["planned_reads"]
             if row["compilations"] or unplanned > 0:
@@ -527,6 +538,8 @@ class RunDiagnostics:
                 "Feed faster: pack images into shards (`xlatrain pack`) and read them with ShardDataset, "
                 "raise num_workers, decode at the target size, send uint8 and normalise on the device.",
             ))
+        if self._compile is not None:
+            out.extend(self._compile.findings())
         if self._platform == "tpu" and self._per_device_batch < SMALL_TPU_BATCH:
             out.append(Finding(
                 "small-batch", f"batch_size={self._per_device_batch} per TPU core is small",
@@ -579,6 +592,8 @@ class RunDiagnostics:
                     f"compilation ({total['compile_count']} here); torch_xla 2.9 partitions with GSPMD "
                     "only, so there is nothing to change"
                 )
+        if self._compile is not None:
+            out.extend(self._compile.notes())
         train = self._phases.get("train")
         if not self._input_wait_is_evidence() and train and train.batches:
             out.append(
@@ -591,6 +606,8 @@ class RunDiagnostics:
     def finish(self, run_dir: Path, is_main: bool) -> dict[str, Any]:
         """Write ``run_dir/diagnostics.json`` and log the report (main process); returns the report."""
         unmatched = self._attach_analyses()
+        if self._compile is not None:
+            self._compile.stop()
         findings = self.findings()
         notes = self.notes() + ([unmatched] if unmatched else [])
         wall = sum(e["wall_s"] for e in self._epochs) or 1.0
@@ -605,6 +622,8 @@ class RunDiagnostics:
             "epochs": self._epochs,
             "input_wait_s": {name: p.wait_s for name, p in self._phases.items()},
         }
+        if self._compile is not None:
+            report["torch_compile"] = self._compile.summary()
         if is_main:
             from xlatrain.checkpoint import atomic_write_text
 

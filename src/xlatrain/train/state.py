@@ -172,6 +172,8 @@ RESUME_RULES: dict[str, str] = {
     "trainer.diagnostics": "continue",
     "trainer.strict": "continue",
     "trainer.compile": "continue",
+    "trainer.tensorboard": "continue",
+    "trainer.profile_steps": "continue",
     "trainer.run_dir": "continue",
     "checkpoint.every_steps": "continue",
     "checkpoint.at_epoch_end": "continue",

@@ -36,9 +36,13 @@ from xlatrain.checkpoint import (
 from xlatrain.config import BackendConfig, CheckpointConfig, TrainConfig, monitor_mode_for
 from xlatrain.data.sampling import EvalSampler, PaddedDataset, TrainSampler
 from xlatrain.data.source import BatchSource, train_steps_per_epoch
+from xlatrain.diagnostics.compile import CompileWatch
+from xlatrain.diagnostics.profile import StepTrace
 from xlatrain.diagnostics.run import RunDiagnostics
 from xlatrain.logs import ensure_console, get_logger
+from xlatrain.progress import EpochProgress, interactive_terminal
 from xlatrain.report import write_history
+from xlatrain.tensorboard import TensorBoardLog
 from xlatrain.train.batch import BatchLayout, collate, tree_map
 from xlatrain.train.losses import EvalLoss, loss_terms
 from xlatrain.train.metrics import EvalAccumulator, RowCollector, as_float, default_monitor, infer_task
@@ -169,6 +173,10 @@ class Trainer:
         self._config_record: dict[str, Any] = {}
         self._term_names: list[str] = []  # the loss's named terms, learnt in the dry run
         self._diag: RunDiagnostics | None = None
+        self._interactive = False  # draw a progress bar: decided by fit
+        self._start_loss_sum: float | None = None  # the resumed epoch's loss sum, from the checkpoint
+        self._tb: TensorBoardLog | None = None
+        self._trace: StepTrace | None = None
 
     # ----------------------------------------------------------------------------------------
     @property
@@ -209,11 +217,9 @@ class Trainer:
             per_epoch = feed.steps_per_epoch // cfg.grad_accum_steps
             shape = RunShape(total_steps=per_epoch * cfg.epochs, steps_per_epoch=per_epoch, epochs=cfg.epochs)
             self.scheduler = self._scheduler_fn(self.optimizer, shape)
+        self._start_loss_sum = None
         cursor, sums = self._resume(resume)
         self.history = cursor.history
-        self._diag = (
-            RunDiagnostics(be, per_device_batch=cfg.batch_size, strict=cfg.strict) if cfg.diagnostics else None
-        )
         self._say(
             f"xlatrain: {be.describe()} | global batch {self.global_batch_size * cfg.grad_accum_steps} = "
             f"{cfg.batch_size} per device x {be.world_size} device(s)"
@@ -233,7 +239,22 @@ class Trainer:
                 f"all {cfg.epochs} epoch(s) of this run are done: nothing to train. Raise epochs to train "
                 "on, or start over (resume=False; --fresh on the command line)."
             )
-        with _StopSignals(self._say) as stop:
+        self._interactive = interactive_terminal(be.is_main)
+        with contextlib.ExitStack() as run:
+            # Each is closed however the run ends (finished, preempted, failed): event files
+            # flushed, a trace written, the compile watch's callback removed, signals restored.
+            self._tb = run.enter_context(
+                TensorBoardLog(self.run_dir, enabled=cfg.tensorboard, is_main=be.is_main, start_step=cursor.global_step)
+            )
+            self._trace = run.enter_context(contextlib.closing(
+                StepTrace(self.run_dir, cfg.profile_steps, backend_name=be.name, is_main=be.is_main, platform=be.platform)
+            )) if cfg.profile_steps else None
+            watch = run.enter_context(CompileWatch().start(first_epoch=first_epoch)) if cfg.compile else None
+            self._diag = RunDiagnostics(
+                be, per_device_batch=cfg.batch_size, strict=cfg.strict, grad_accum_steps=cfg.grad_accum_steps,
+                compile_watch=watch,
+            ) if cfg.diagnostics else None
+            stop = run.enter_context(_StopSignals(self._say))
             for epoch in range(first_epoch, cfg.epochs + 1):
                 started = time.perf_counter()
                 cursor.epoch, cursor.step, cursor.epoch_done = epoch, start_step, False
@@ -243,30 +264,42 @@ class Trainer:
                     metrics = self.evaluate(val_data)
                     row.update({f"val_{k}": v for k, v in metrics.items() if k != "num_samples"})
                 row["epoch_time_s"] = round(time.perf_counter() - started, 3)
-                if self._diag is not None:
-                    row["input_bound_share"] = round(self._diag.end_epoch(epoch)["input_bound_share"], 4)
-                row.update(be.runtime_stats())
-                if self.scheduler is not None and cfg.scheduler_interval == "epoch":
-                    self.scheduler.step()
-                improved = self._track_best(row, cursor)
-                self.history.append(row)
-                cursor.epoch_done, start_step = True, 0
-                sums = self._new_sums()
-                if be.is_main:
-                    write_history(self.run_dir, self.history)
-                if self.checkpoint.enabled and self.checkpoint.at_epoch_end:
-                    self._save_checkpoint(cursor, sums)
-                self._say(_epoch_line(row, cfg.epochs, self.monitor, improved))
+                sums, start_step = self._new_sums(), 0
+                self._finish_epoch(row, cursor, sums)
                 if self._patience_spent(cursor):
                     self._say(
                         f"early stop: {self.monitor} has not improved for {cfg.early_stop_patience} epoch(s) "
                         f"(best {cursor.best:.4f} in epoch {cursor.best_epoch})"
                     )
                     break
-        if self._diag is not None:
-            self._diag.finish(self.run_dir, be.is_main)
+            if self._diag is not None:
+                self._diag.finish(self.run_dir, be.is_main)
         be.barrier()
         return self.history
+
+    def _finish_epoch(self, row: dict[str, Any], cursor: Cursor, sums: dict[str, torch.Tensor]) -> None:
+        """An epoch's bookkeeping, in the order a resume relies on: history and TensorBoard are
+        written before the checkpoint that marks the epoch done."""
+        cfg, be = self.config, self.backend
+        if self._diag is not None:
+            row["input_bound_share"] = round(self._diag.end_epoch(cursor.epoch)["input_bound_share"], 4)
+        row.update(be.runtime_stats())
+        if self.scheduler is not None and cfg.scheduler_interval == "epoch":
+            self.scheduler.step()
+        improved = self._track_best(row, cursor)
+        self.history.append(row)
+        cursor.epoch_done = True
+        if be.is_main:
+            write_history(self.run_dir, self.history)
+        tb = self._tb
+        if tb is not None:
+            tb.epoch(cursor.epoch, cursor.global_step, {**row, f"best_{self.monitor}": cursor.best})
+            if cursor.epoch == cfg.epochs or self._patience_spent(cursor):
+                final = {k: v for k, v in row.items() if k.startswith(("train_", "val_"))}
+                tb.hparams(self._config_record, {**final, f"best_{self.monitor}": cursor.best}, step=cursor.global_step)
+        if self.checkpoint.enabled and self.checkpoint.at_epoch_end:
+            self._save_checkpoint(cursor, sums)
+        self._say(_epoch_line(row, cfg.epochs, self.monitor, improved))
 
     def evaluate(self, data: Any) -> dict[str, float]:
         """Loss and task metrics over ``data``, every sample counted exactly once."""
@@ -356,70 +389,91 @@ class Trainer:
     ) -> dict[str, float]:
         """Train ``cursor.epoch`` from ``cursor.step``; ``sums`` hold the epoch's loss (and terms)
         so far. Returns the epoch's mean loss and terms as history columns (``train_...``)."""
-        cfg, be, model, opt = self.config, self.backend, self.model, self.optimizer
+        cfg, be = self.config, self.backend
         accum, num_steps = cfg.grad_accum_steps, feed.steps_per_epoch
-        guard = cfg.nan_policy == "skip_step"
-        check_norm = guard or cfg.clip_grad_norm is not None
-        model.train()
-        progress = _Progress(self, cursor.epoch, num_steps, cursor.step)
         every = self.checkpoint.every_steps if self.checkpoint.enabled else None
+        self.model.train()
         batches = feed.batches(cursor.epoch, cursor.step)
         if self._diag is not None:
-            batches = self._diag.timed(batches, "train", cursor.epoch)
-        for step, batch in enumerate(batches, start=cursor.step + 1):
-            args, targets = self.layout.split(batch)
-            last_micro = step % accum == 0
-            be.step_begin(((cfg.seed * 1_000_003 + cursor.epoch) * 1_000_003 + step) % 2**62)
-            with contextlib.nullcontext() if last_micro else be.no_sync(model):
-                with be.autocast(cfg.precision):
-                    outputs = self._forward(*args)
-                    loss, terms = loss_terms(self.loss_fn(outputs, targets))  # shapes only: no sync
-                (loss / accum if accum > 1 else loss).backward()
-            loss = loss.detach().float()
-            finite = torch.isfinite(loss)
-            if last_micro:
-                be.reduce_gradients(opt)
-                if check_norm:
-                    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm or math.inf)
-                    finite = finite & torch.isfinite(norm)
-                if guard:
-                    _guarded_step(opt, finite)
-                else:
-                    opt.step()
-                opt.zero_grad(set_to_none=True)
-                if self.scheduler is not None and cfg.scheduler_interval == "step":
-                    self.scheduler.step()
-                cursor.global_step += 1
-            sums["loss"] = sums["loss"] + (torch.where(finite, loss, 0.0) if guard else loss)
-            sums["nonfinite"] = sums["nonfinite"] + (~finite).float()
-            if list(terms) != self._term_names:
-                raise ValueError(
-                    f"loss_fn returned the terms {list(terms)} at epoch {cursor.epoch} step {step} but "
-                    f"{self._term_names} before: return the same named terms at every step"
-                )
-            for name, term in terms.items():
-                term = term.detach().float()
-                term = torch.where(finite, term, 0.0) if guard else term
-                sums[f"term.{name}"] = sums[f"term.{name}"] + term
-            be.step_end()
-            cursor.step = step
-            if step % cfg.log_every == 0 and step < num_steps:
-                be.defer(progress.report(step), [be.all_reduce_mean(sums["loss"]), sums["nonfinite"]])
-            if self._nonfinite is not None:
-                self._fail_nonfinite()
-            if not last_micro:
-                continue
-            # Agreeing on a stop is a host collective when there are several processes, so it
-            # happens at log intervals there; a single process checks every step for free.
-            if (be.num_processes == 1 or step % cfg.log_every < accum) and be.any_process(stop.requested):
-                self._preempt(cursor, sums, stop)
-            if every is not None and cursor.global_step % every == 0 and step < num_steps:
-                self._save_checkpoint(cursor, sums)
+            batches = self._diag.timed(batches, "train", cursor.epoch, first_step=cursor.step + 1)
+        progress = EpochProgress(
+            cursor.epoch, num_steps, cursor.step, samples_per_step=self.global_batch_size,
+            interactive=self._interactive, log=self._say, start_loss_sum=self._start_loss_sum,
+        )
+        self._start_loss_sum = None  # later epochs start from zero
+        trace, before = self._trace, (cursor.epoch - 1) * num_steps  # the trace counts over the run
+        last_logged, fetch_started = cursor.step, time.perf_counter()
+        with progress:  # the bar goes however the epoch ends (preemption, NaN, error)
+            for step, batch in enumerate(batches, start=cursor.step + 1):
+                input_wait_s = time.perf_counter() - fetch_started
+                if trace is not None:
+                    trace.before_step(before + step)
+                last_micro = step % accum == 0
+                self._train_step(batch, cursor, step, last_micro, sums)
+                if trace is not None:
+                    trace.after_step(before + step, input_wait_s)
+                progress.advance(step)
+                if step % cfg.log_every == 0 and step < num_steps:
+                    # A micro step before its optimizer step is plotted at that coming step, so
+                    # every point logged after a checkpoint at step T lies after T.
+                    tb_step = cursor.global_step + (0 if last_micro else 1)
+                    show = self._interval(progress, cursor.epoch, last_logged + 1, step, tb_step)
+                    be.defer(show, [be.all_reduce_mean(sums["loss"]), sums["nonfinite"]])
+                    last_logged = step
+                if self._nonfinite is not None:
+                    self._fail_nonfinite()
+                # Agreeing on a stop is a host collective when there are several processes, so it
+                # happens at log intervals there; a single process checks every step for free.
+                if last_micro and (be.num_processes == 1 or step % cfg.log_every < accum) and be.any_process(stop.requested):
+                    self._preempt(cursor, sums, stop)
+                if last_micro and every is not None and cursor.global_step % every == 0 and step < num_steps:
+                    self._save_checkpoint(cursor, sums)
+                fetch_started = time.perf_counter()
         names = [k for k in sums if k != "nonfinite"]
         *totals, bad = be.read([*(be.all_reduce_mean(sums[k]) for k in names), sums["nonfinite"]])
         self._check_nonfinite(float(bad), cursor.epoch, 1, num_steps)
-        good_steps = max(num_steps - float(bad) if guard else num_steps, 1)
+        good_steps = max(num_steps - float(bad) if cfg.nan_policy == "skip_step" else num_steps, 1)
         return {"train_" + name.removeprefix("term."): float(total) / good_steps for name, total in zip(names, totals)}
+
+    def _train_step(self, batch: Any, cursor: Cursor, step: int, last_micro: bool, sums: dict[str, torch.Tensor]) -> None:
+        """One micro-batch: forward, loss, backward, and on the last micro-batch the optimizer step.
+
+        Nothing here reads the device: the loss and its terms are added to ``sums`` on it.
+        """
+        cfg, be, model, opt = self.config, self.backend, self.model, self.optimizer
+        accum, guard = cfg.grad_accum_steps, cfg.nan_policy == "skip_step"
+        args, targets = self.layout.split(batch)
+        be.step_begin(((cfg.seed * 1_000_003 + cursor.epoch) * 1_000_003 + step) % 2**62)
+        with contextlib.nullcontext() if last_micro else be.no_sync(model):
+            with be.autocast(cfg.precision):
+                outputs = self._forward(*args)
+                loss, terms = loss_terms(self.loss_fn(outputs, targets))  # shapes only: no sync
+            (loss / accum if accum > 1 else loss).backward()
+        if list(terms) != self._term_names:
+            raise ValueError(
+                f"loss_fn returned the terms {list(terms)} at epoch {cursor.epoch} step {step} but "
+                f"{self._term_names} before: return the same named terms at every step"
+            )
+        loss = loss.detach().float()
+        finite = torch.isfinite(loss)
+        if last_micro:
+            be.reduce_gradients(opt)
+            if guard or cfg.clip_grad_norm is not None:
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm or math.inf)
+                finite = finite & torch.isfinite(norm)
+            if guard:
+                _guarded_step(opt, finite)
+            else:
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+            if self.scheduler is not None and cfg.scheduler_interval == "step":
+                self.scheduler.step()
+            cursor.global_step += 1
+        for name, value in (("loss", loss), *((f"term.{t}", v.detach().float()) for t, v in terms.items())):
+            sums[name] = sums[name] + (torch.where(finite, value, 0.0) if guard else value)
+        sums["nonfinite"] = sums["nonfinite"] + (~finite).float()
+        be.step_end()
+        cursor.step = step
 
     # --- checkpoints, resume, preemption, numerical faults ------------------------------------
     def _new_sums(self) -> dict[str, torch.Tensor]:
@@ -468,6 +522,8 @@ class Trainer:
                 f"{be.num_processes}: resume with the same process count, or start fresh (resume=False)"
             )
         mine = per_process_sums[be.process_index]
+        # What all_reduce_mean(sums["loss"]) reads at the first log interval, known here without a read.
+        self._start_loss_sum = sum(p["loss"] for p in per_process_sums) / len(per_process_sums)
         sums = {k: torch.tensor(v, dtype=torch.float32).to(be.device) for k, v in mine.items()}
         be.set_rng_state(rng[be.process_index])
         epoch, step = cursor.next_position()
@@ -602,6 +658,25 @@ class Trainer:
             host = self._data_loader(PaddedDataset(dataset, len(dataset)), sampler)
         return self.backend.wrap_loader(host), sampler
 
+    def _interval(
+        self, progress: EpochProgress, epoch: int, first: int, step: int, tb_step: int
+    ) -> Callable[[torch.Tensor, torch.Tensor], None]:
+        """The deferred read of one log interval: progress line or bar, TensorBoard, NaN check."""
+        lr = self.optimizer.param_groups[0]["lr"]  # now: the read may run steps later
+        if isinstance(lr, torch.Tensor) and lr.device.type != "cpu":
+            lr = None  # a capturable optimizer keeps it on the device; not worth a read
+
+        def show(mean_loss_sum: torch.Tensor, nonfinite: torch.Tensor) -> None:
+            bad = float(nonfinite)
+            if bad > 0 and self.config.nan_policy == "stop":
+                # Raised by the training loop right after this read, not inside the runtime's callback.
+                self._nonfinite = (epoch, first, step, int(bad))
+            stats = progress.report(step, loss_sum=float(mean_loss_sum), nonfinite=bad)
+            if self._tb is not None:
+                self._tb.interval(tb_step, loss=stats.interval_loss, lr=lr, samples_per_s=stats.samples_per_s)
+
+        return show
+
     def _say(self, message: str) -> None:
         if self.backend.is_main:
             log.info(message)
@@ -662,36 +737,6 @@ def _epoch_line(row: dict[str, Any], epochs: int, monitor: str, improved: bool) 
     shown = [f"{k} {v:.4f}" for k, v in row.items() if k.startswith(("train_", "val_")) and "auc_" not in k]
     star = f"  (best {monitor})" if improved else ""
     return f"epoch {row['epoch']}/{epochs}  " + "  ".join(shown) + f"  {row['epoch_time_s']:.1f}s" + star
-
-
-class _Progress:
-    """Progress lines built inside deferred reads, so the step loop never waits for the device."""
-
-    def __init__(self, trainer: Trainer, epoch: int, num_steps: int, start_step: int) -> None:
-        self._trainer = trainer
-        self._epoch = epoch
-        self._num_steps = num_steps
-        self._last_step = start_step
-        self._last_time = time.perf_counter()
-
-    def report(self, step: int) -> Callable[[torch.Tensor, torch.Tensor], None]:
-        first = self._last_step + 1
-
-        def show(mean_loss_sum: torch.Tensor, nonfinite: torch.Tensor) -> None:
-            now = time.perf_counter()
-            rate = (step - self._last_step) * self._trainer.global_batch_size / max(now - self._last_time, 1e-9)
-            self._last_step, self._last_time = step, now
-            bad = float(nonfinite)
-            if bad > 0 and self._trainer.config.nan_policy == "stop":
-                # Raised by the training loop right after this read, not inside the runtime's callback.
-                self._trainer._nonfinite = (self._epoch, first, step, int(bad))
-            self._trainer._say(
-                f"  epoch {self._epoch} step {step}/{self._num_steps}  "
-                f"loss {float(mean_loss_sum) / step:.4f}  {rate:,.0f} samples/s"
-                + (f"  ({int(bad)} non-finite steps)" if bad > 0 else "")
-            )
-
-        return show
 
 
 def _holds_a_run(path: Path) -> bool:
