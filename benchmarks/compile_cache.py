@@ -18,10 +18,16 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from benchmarks import xla_loop
 from benchmarks.xla_loop import run_worker, xla_cpu_env
 
 # Compile time is what is measured, so the fit is short: two epochs of nine steps.
 OPTS: dict[str, Any] = {"samples": 300, "batch": 32, "epochs": 2, "width": 8, "image": 32, "lr": 1e-3, "seed": 0}
+
+
+def check_environment() -> None:
+    """Raise before any entry runs when the workers would have no torch_xla to run with."""
+    xla_loop.check_environment()
 
 
 def _entries(cache_dir: str) -> tuple[int, int]:

@@ -1,7 +1,9 @@
 """Run the benchmarks and record them: ``python -m benchmarks.run [--only NAME ...]``.
 
 Each entry is a ratio measured side by side in one run. Results merge into
-``benchmarks/results.json`` (entry name -> figures) and a markdown table beside it.
+``benchmarks/results.json`` (entry name -> figures) and a markdown table beside it. This runs in
+the current-torch environment; entries on torch_xla (``xla_loop``, ``compile_cache``) start their
+workers under ``$XLATRAIN_XLA_PYTHON``, which ``make bench`` points at ``.venv-xla``.
 """
 
 from __future__ import annotations
@@ -39,9 +41,15 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.out)
     results = json.loads(out.read_text()) if out.is_file() else {}
-    for name in args.only:
+    modules = {name: importlib.import_module(f"benchmarks.{name}") for name in args.only}
+    # An entry whose workers need another environment (the XLA ones: torch_xla) says so now,
+    # before the others have run for minutes.
+    for module in modules.values():
+        if hasattr(module, "check_environment"):
+            module.check_environment()
+    for name, module in modules.items():
         started = time.perf_counter()
-        figures = importlib.import_module(f"benchmarks.{name}").run()
+        figures = module.run()
         figures["seconds"] = round(time.perf_counter() - started, 1)
         results[name] = figures
         print(f"{name}: {json.dumps(figures)}", flush=True)
