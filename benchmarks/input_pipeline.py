@@ -209,8 +209,13 @@ def run() -> dict[str, Any]:
         torch.set_num_threads(threads)
 
 
-def _spread(values: list[float], digits: int = 3) -> dict[str, float]:
-    return {"min": round(min(values), digits), "median": round(statistics.median(values), digits), "max": round(max(values), digits)}
+def _spread(values: list[float], digits: int = 3) -> dict[str, Any]:
+    return {
+        "min": round(min(values), digits),
+        "median": round(statistics.median(values), digits),
+        "max": round(max(values), digits),
+        "rounds": [round(v, digits) for v in values],
+    }
 
 
 def _measure(tmp: Path) -> dict[str, Any]:

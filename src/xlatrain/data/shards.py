@@ -26,6 +26,7 @@ import mmap
 import multiprocessing
 import os
 import pickle
+import select
 import signal
 import struct
 import traceback
@@ -462,6 +463,7 @@ class _BatchReader:
         # shard truncated in place while mapped would kill the process with SIGBUS, so the
         # main process, which runs the training step, keeps to pread.
         self.map_files = False
+        self._paths = [str(index.root / name) for name in index.shard_names]
         self._fds: dict[int, int] = {}
         self._views: dict[int, memoryview] = {}
         self._pid = os.getpid()
@@ -496,7 +498,7 @@ class _BatchReader:
             self._checked = np.zeros(len(self.index.length), dtype=bool)
         for shard in shards:
             try:
-                info = os.stat(self.index.root / self.index.shard_names[shard])
+                info = os.stat(self._paths[shard])
             except OSError:
                 continue  # reading the record says what is wrong
             # A file replaced by rename gets a new stamp too: its records are checked again
@@ -509,17 +511,15 @@ class _BatchReader:
         return (~self._checked[gids]).tolist()
 
     def _open(self, shard: int) -> int:
-        path = self.index.root / self.index.shard_names[shard]
         try:
-            fd = self._fds[shard] = os.open(path, os.O_RDONLY)
+            fd = self._fds[shard] = os.open(self._paths[shard], os.O_RDONLY)
         except OSError as exc:
             raise _BadRecord(f"cannot open the shard ({exc.strerror})") from None
         return fd
 
     def _map(self, shard: int) -> memoryview:
-        path = self.index.root / self.index.shard_names[shard]
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(self._paths[shard], os.O_RDONLY)
         except OSError as exc:
             raise _BadRecord(f"cannot open the shard ({exc.strerror})") from None
         try:
@@ -630,7 +630,7 @@ class _BatchReader:
             self._unchecked(gids, set(shards)), ix.height[gids].tolist(), ix.width[gids].tolist(), ix.channels[gids].tolist(),
         )
         grey_out = opts.channels == 1
-        out_h, out_w = self.size
+        out_hw = self.size
         planes = rows[:, 0]
         requests = self._requests
         checked = self._checked
@@ -640,8 +640,11 @@ class _BatchReader:
             rand = _Uniforms(seed, epoch, gid) if aug is not None else None
             grey = grey_out or channels == 1
             try:
-                data = self._read(shard, start, length, crc if unchecked else None)
-                checked[gid] = True  # type: ignore[index]
+                if unchecked:
+                    data = self._read(shard, start, length, crc)
+                    checked[gid] = True  # type: ignore[index]
+                else:
+                    data = self._read(shard, start, length, None)
                 request = None if geometric else requests.get((height, width, grey))
                 if request is None and not geometric:
                     request = requests[height, width, grey] = self._direct_request(height, width, grey)
@@ -650,7 +653,7 @@ class _BatchReader:
                     image = decode_jpeg(data, buffer=planes[row], **request) if request else None
                 except ValueError:
                     image = None  # the general path says whether the JPEG itself is bad
-                if image is None or image.shape[0] != out_h or image.shape[1] != out_w:
+                if image is None or image.shape[:2] != out_hw:
                     if grey:
                         self._decode(data, (height, width), 1, rand, planes[row][:, :, None])
                     else:
@@ -758,8 +761,11 @@ def _worker_main(reader: _BatchReader, buffer: torch.Tensor, slot_bytes: int, co
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     reader.map_files = True
     rows = buffer.numpy()
+    # One poll object for the life of the worker: Connection.poll builds a selector per call.
+    incoming = select.poll()
+    incoming.register(conn.fileno(), select.POLLIN)
     while True:
-        if not conn.poll(1.0):
+        if not incoming.poll(1000):
             if os.getppid() != parent:
                 return  # the main process is gone (this one was re-parented)
             continue
@@ -977,7 +983,9 @@ class ShardDataset:
         indices: manifest record numbers to use, in this dataset's order (e.g. one fold from
             :func:`xlatrain.data.splits.group_kfold`); default all.
         **options: fields of :class:`ShardOptions` (``image_size``, ``channels``, ``labels``,
-            ``target``, ``augment``, ``num_workers``, ``on_error``, ...).
+            ``target``, ``augment``, ``num_workers``, ``pin_memory``, ``on_error``, ...). A
+            recipe passes the Trainer's loader settings through: ``num_workers`` as configured,
+            ``pin_memory=True`` when training on CUDA.
 
     Example:
         >>> full = ShardDataset("shards/", image_size=128, channels=1, num_workers=2)
