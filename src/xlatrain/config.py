@@ -243,7 +243,8 @@ def from_dict(cls: type[C], values: dict[str, Any], section: str | None = None) 
     try:
         return cls(**values)
     except ValueError as exc:
-        raise ValueError(f"{where}{exc}") from None
+        message = str(exc)  # the model, optimizer and schedule sections name their keys in full
+        raise ValueError(message if message.startswith(where) else f"{where}{message}") from None
 
 
 def load_yaml(text: str, source: str = "<config>") -> dict[str, Any]:
@@ -292,10 +293,15 @@ class OptimizerConfig:
     name: str = "adam"
     lr: float = 1e-3
     weight_decay: float = 0.0
-    momentum: float = 0.9  # sgd only
+    momentum: float | None = None  # sgd only (default 0.9)
 
     def __post_init__(self) -> None:
         _choice("optimizer.name", self.name, OPTIMIZERS)
+        if self.momentum is not None and self.name != "sgd":
+            raise ValueError(
+                f"optimizer.momentum is set but {self.name} takes no momentum (its betas are fixed here): "
+                "remove the key (on the command line: --set optimizer.momentum=null), or use optimizer.name: sgd"
+            )
         if not self.lr > 0:
             raise ValueError(f"optimizer.lr={self.lr!r} is not valid: use a positive learning rate")
         if self.weight_decay < 0:
@@ -307,12 +313,21 @@ class ScheduleConfig:
     """LR schedule, stepped per ``trainer.scheduler_interval``: StepLR or cosine over all epochs."""
 
     name: str = "none"
-    step_size: int = 1
-    gamma: float = 0.5
+    step_size: int | None = None  # step only (default 1)
+    gamma: float | None = None  # step only (default 0.5)
 
     def __post_init__(self) -> None:
         _choice("schedule.name", self.name, SCHEDULES)
-        _positive_int("schedule.step_size", self.step_size)
+        given = [k for k in ("step_size", "gamma") if getattr(self, k) is not None]
+        if given and self.name != "step":
+            raise ValueError(
+                f"schedule.{given[0]} is set but schedule.name={self.name!r} does not use it: remove the key "
+                f"(on the command line: --set schedule.{given[0]}=null), or use schedule.name: step"
+            )
+        if self.step_size is not None:
+            _positive_int("schedule.step_size", self.step_size)
+        if self.gamma is not None and not self.gamma > 0:
+            raise ValueError(f"schedule.gamma={self.gamma!r} is not valid: use a positive factor")
 
 
 SECTIONS = {

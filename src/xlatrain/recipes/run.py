@@ -70,14 +70,18 @@ def build_recipe_model(config: RunConfig, *, num_outputs: int, in_channels: int,
 
 def optimizer_factory(cfg: OptimizerConfig) -> Callable[..., torch.optim.Optimizer]:
     if cfg.name == "sgd":
-        return functools.partial(torch.optim.SGD, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        return functools.partial(
+            torch.optim.SGD, lr=cfg.lr, momentum=0.9 if cfg.momentum is None else cfg.momentum, weight_decay=cfg.weight_decay
+        )
     cls = torch.optim.AdamW if cfg.name == "adamw" else torch.optim.Adam
     return functools.partial(cls, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
 def scheduler_factory(cfg: ScheduleConfig, epochs: int) -> Callable[..., Any] | None:
     if cfg.name == "step":
-        return functools.partial(torch.optim.lr_scheduler.StepLR, step_size=cfg.step_size, gamma=cfg.gamma)
+        return functools.partial(
+            torch.optim.lr_scheduler.StepLR, step_size=cfg.step_size or 1, gamma=0.5 if cfg.gamma is None else cfg.gamma
+        )
     if cfg.name == "cosine":
         return functools.partial(torch.optim.lr_scheduler.CosineAnnealingLR, T_max=epochs)
     return None

@@ -83,7 +83,37 @@ def prepare_data(data: DataConfig, timeout_s: float = 1800.0) -> None:
     _prepare(data, root)
 
 
+# What a generated folder was generated from (written beside its train.csv).
+GENERATED_FROM = "xlatrain-synthetic.json"
+GENERATION_KEYS = ("num_studies", "slices_per_study", "stored_size", "seed")
+
+
+def _generation(data: DataConfig) -> dict[str, Any]:
+    return {k: list(v) if k == "slices_per_study" else v for k, v in ((k, getattr(data, k)) for k in GENERATION_KEYS)}
+
+
+def _check_generated(data: DataConfig, root: Path) -> None:
+    """A generated folder made from other ``data.*`` values is an error, not silently reused."""
+    import json
+
+    record = root / GENERATED_FROM
+    if not data.synthetic or not record.is_file():
+        return  # real data (or a folder from before the record): generation keys do not apply
+    made = json.loads(record.read_text())
+    changed = [k for k, v in _generation(data).items() if k in made and made[k] != v]
+    if changed:
+        raise ValueError(
+            f"{root} was generated with "
+            + ", ".join(f"data.{k}={made[k]}" for k in changed)
+            + "; this config asks for "
+            + ", ".join(f"data.{k}={getattr(data, k)}" for k in changed)
+            + f": delete {root} to generate it again, point data.root at another folder, or use the old values"
+        )
+
+
 def _prepare(data: DataConfig, root: Path) -> None:
+    import json
+
     from xlatrain.data import synthetic_rsna
     from xlatrain.data.pack import pack
 
@@ -96,6 +126,10 @@ def _prepare(data: DataConfig, root: Path) -> None:
             root, num_studies=data.num_studies, slices_per_study=(lo, hi), image_size=data.stored_size,
             seed=data.seed, workers=data.workers,
         )
+        tmp = root / f".{GENERATED_FROM}.tmp"
+        tmp.write_text(json.dumps(_generation(data)))
+        tmp.replace(root / GENERATED_FROM)
+    _check_generated(data, root)
     if data.source == "shards" and not (data.shard_dir / "manifest.json").is_file():
         log.info(f"packing {root} into {data.shard_dir} ...")
         pack(
@@ -141,11 +175,12 @@ class Split:
     val_studies: np.ndarray
 
 
-def datasets(data: DataConfig, num_workers: int = 0) -> Split:
+def datasets(data: DataConfig, num_workers: int = 0, pin_memory: bool = False) -> Split:
     """Train / validation of fold ``data.fold``, grouped by study (no study on both sides).
 
     ``num_workers`` (the trainer's setting) is how many processes decode: the shard reader's own
-    workers, or the DataLoader's for the folder source.
+    workers, or the DataLoader's for the folder source. ``pin_memory`` has the shard reader hand
+    out page-locked batches (for a CUDA device; the Trainer's DataLoader pins on its own).
     """
     from xlatrain.data.shards import Augment, ShardDataset
     from xlatrain.data.splits import group_kfold
@@ -153,7 +188,8 @@ def datasets(data: DataConfig, num_workers: int = 0) -> Split:
     prepare_data(data)
     if data.source == "shards":
         full = ShardDataset(
-            data.shard_dir, image_size=data.image_size, channels=1, labels=list(TARGET_NAMES), num_workers=num_workers
+            data.shard_dir, image_size=data.image_size, channels=1, labels=list(TARGET_NAMES),
+            num_workers=num_workers, pin_memory=pin_memory,
         )
         groups, labels = full.groups, full.labels
         train_ids, val_ids = group_kfold(groups, num_folds=data.num_folds, fold=data.fold, seed=data.seed)
@@ -184,9 +220,16 @@ class SliceClassifier(nn.Module):
 
 
 def build(config: Any) -> Any:
+    from xlatrain.backend.hardware import find_tpu_chips
     from xlatrain.recipes.run import RecipeParts, build_recipe_model
 
-    split = datasets(from_dict(DataConfig, config.data, section="data"), num_workers=config.trainer.num_workers)
+    # Pinned batches only pay where the run trains on CUDA: accelerator "cuda", or "auto" on a
+    # machine whose only accelerator is a CUDA GPU (auto picks a TPU first).
+    accelerator = config.backend.accelerator
+    on_cuda = accelerator == "cuda" or (accelerator == "auto" and torch.cuda.is_available() and not find_tpu_chips())
+    split = datasets(
+        from_dict(DataConfig, config.data, section="data"), num_workers=config.trainer.num_workers, pin_memory=on_cuda
+    )
     torch.manual_seed(config.trainer.seed)
     backbone = build_recipe_model(config, num_outputs=len(TARGET_NAMES), in_channels=1)
     return RecipeParts(
