@@ -18,7 +18,10 @@ from xlatrain.backend.hardware import find_tpu_chips
 from xlatrain.config import TPU_RUNTIMES
 
 INSTALL_TORCH_TPU = "pip install 'xlatrain[tpu]'  (TorchTPU on current torch 2.11-2.15)"
-INSTALL_TORCH_XLA = "pip install 'xlatrain[xla]'  (torch_xla 2.9.0 with torch 2.9.0, in an environment of its own)"
+INSTALL_TORCH_XLA = (
+    "pip install 'xlatrain[xla]' in an environment of its own (torch_xla 2.9.0 with torch 2.9.0; "
+    "on a TPU also 'torch_xla[tpu]==2.9.0', which brings libtpu 0.0.21)"
+)
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,7 @@ from xlatrain.backend.hardware import (
     find_tpu_chips,
     vfio_group,
 )
+from xlatrain.backend.runtimes import INSTALL_TORCH_TPU, INSTALL_TORCH_XLA
 
 SEVERITIES = ("error", "warning", "info")
 # PJRT clients built into torch_xla 2.9's runtime library ("Initializing PjRt CPU client",
@@ -139,11 +140,6 @@ class RuntimeNeeds:
         return f"torch {self.torch_lowest}-{self.torch_highest}"
 
 
-INSTALL_TORCH_TPU = "pip install 'xlatrain[tpu]'  (TorchTPU on current torch 2.11-2.15)"
-INSTALL_TORCH_XLA = (
-    "pip install 'xlatrain[xla]' in an environment of its own (torch_xla 2.9.0 with torch 2.9.0; "
-    "on a TPU also 'torch_xla[tpu]==2.9.0', which brings libtpu 0.0.21)"
-)
 
 COMPATIBILITY: tuple[RuntimeNeeds, ...] = (
     # torch_tpu 0.2.0's METADATA: Requires-Dist torch>=2.11.0,<=2.15.0, libtpu>=0.0.50;
