@@ -174,7 +174,7 @@ def test_sigterm_to_one_node_stops_both_at_one_step_with_a_checkpoint(tmp_path):
     again = [_node(torchrun, port, [str(SCRIPTS / "resumable.py"), str(tmp_path), "2", "100", "0", "cpu", "2"])
              for _ in range(2)]
     outs = [n.communicate(timeout=300)[0] for n in again]
-    assert [n.returncode for n in again] == [0, 0], outs
+    assert [n.returncode for n in again] == [0, 0], "\n---- node 2 ----\n".join(out[-6000:] for out in outs)
     assert any(f"resumed from {path}" in out for out in outs) and (tmp_path / "final.safetensors").exists()
 
 
