@@ -1,7 +1,7 @@
 """Trainer(compile=True) against a hand-written loop that compiles the same model, and both
 against the plain eager loop: same model, data, optimizer and seed, on the CPU, in this process.
 
-Each round runs the three sides ``REPEATS`` times, their order rotating; a round's ratio is the
+Each round runs the sides ``REPEATS`` times, their order rotating; a round's ratio is the
 median over its repetitions of ratios between epochs that ran back to back, so slow drift in
 machine load cancels and one disturbed epoch does not decide it. The compiled sides are compiled once, before the rounds
 (``torch.compile`` with its default backend, inductor, as ``TrainConfig(compile=True)`` uses on the
@@ -26,7 +26,7 @@ from xlatrain.models import SmallCNN
 BATCH = 64
 STEPS = 20
 ROUNDS = 5
-REPEATS = 6  # each round runs the three sides this many times, the order rotating
+REPEATS = 4  # each round runs the four sides this many times, the order rotating
 THREADS = 1  # as in trainer_overhead: the second core takes the host's own work
 
 
@@ -72,6 +72,11 @@ def _measure() -> dict[str, Any]:
     eager_opt = torch.optim.Adam(eager_model.parameters(), lr=1e-3)
     compiled_opt = torch.optim.Adam(compiled_model.parameters(), lr=1e-3)
     compiled_forward = torch.compile(compiled_model)
+    # A second hand-compiled copy: the same program run twice, whose ratio to the first is the
+    # noise floor of this machine for the Trainer's ratio (an A/A control).
+    control_model = _model()
+    control_opt = torch.optim.Adam(control_model.parameters(), lr=1e-3)
+    control_forward = torch.compile(control_model)
     with tempfile.TemporaryDirectory() as run_dir:
         trainer = Trainer(
             _model(), nn.CrossEntropyLoss(), functools.partial(torch.optim.Adam, lr=1e-3),
@@ -86,30 +91,39 @@ def _measure() -> dict[str, Any]:
         started = time.perf_counter()
         trainer.fit(data)  # compiles
         trainer_compile_s = time.perf_counter() - started
+        _loop_epoch(control_forward, control_model, control_opt, loader)
         _loop_epoch(eager_model, eager_model, eager_opt, loader)
-        sides: dict[str, list[float]] = {"trainer": [], "hand": [], "eager": []}
+        sides: dict[str, list[float]] = {"trainer": [], "hand": [], "control": [], "eager": []}
         run_side = {
             "trainer": lambda: trainer.fit(data)[-1]["epoch_time_s"],
             "hand": lambda: _loop_epoch(compiled_forward, compiled_model, compiled_opt, loader),
+            "control": lambda: _loop_epoch(control_forward, control_model, control_opt, loader),
             "eager": lambda: _loop_epoch(eager_model, eager_model, eager_opt, loader),
         }
-        orders = [("trainer", "hand", "eager"), ("hand", "eager", "trainer"), ("eager", "trainer", "hand")]
-        vs_hand, speedup = [], []
+        names = list(run_side)
+        orders = [names[i:] + names[:i] for i in range(len(names))]
+        vs_hand, speedup, control = [], [], []
         for r in range(ROUNDS):
-            round_vs_hand, round_speedup = [], []
+            round_vs_hand, round_speedup, round_control = [], [], []
             for k in range(REPEATS):
-                for side in orders[(r * REPEATS + k) % 3]:
+                for side in orders[(r * REPEATS + k) % len(orders)]:
                     sides[side].append(run_side[side]())
                 round_vs_hand.append(sides["trainer"][-1] / sides["hand"][-1])
                 round_speedup.append(sides["eager"][-1] / sides["trainer"][-1])
+                round_control.append(sides["control"][-1] / sides["hand"][-1])
             # A round's figure is the median of its repetitions: one epoch hit by a burst of
             # other load does not decide it.
             vs_hand.append(statistics.median(round_vs_hand))
             speedup.append(statistics.median(round_speedup))
+            control.append(statistics.median(round_control))
     return {
         "ratio": round(statistics.median(vs_hand), 4),
         "ratio_per_round": [round(v, 4) for v in vs_hand],
         "ratio_min_median_max": [round(min(vs_hand), 4), round(statistics.median(vs_hand), 4), round(max(vs_hand), 4)],
+        # The same hand-compiled loop on a second model copy over the first: how far two identical
+        # programs differ here, round by round.
+        "control_ratio_per_round": [round(v, 4) for v in control],
+        "control_ratio_min_median_max": [round(min(control), 4), round(statistics.median(control), 4), round(max(control), 4)],
         "speedup_over_eager": round(statistics.median(speedup), 4),
         "speedup_over_eager_min_max": [round(min(speedup), 4), round(max(speedup), 4)],
         "step_ms": {side: round(statistics.median(times) / STEPS * 1e3, 3) for side, times in sides.items()},

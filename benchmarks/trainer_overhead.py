@@ -1,9 +1,10 @@
 """Trainer step time against a hand-written PyTorch loop: same model, data, optimizer and seed.
 
-Both run on the CPU in this process, alternating epoch by epoch so that drift in machine load
-hits both alike (and alternating which goes first). A round is ``PAIRS`` such back-to-back pairs
-and its ratio the median of their time ratios; the figures are min / median / max over rounds,
-the step times median epoch times divided by steps.
+Both run on the CPU in this process, epoch by epoch, with a second copy of the plain loop as an
+A/A control (its ratio to the first is the machine's noise floor). A round is ``PAIRS``
+repetitions of the three sides back to back, the order rotating, and its ratio the median of the
+repetitions' time ratios; the figures are min / median / max over rounds, the step times median
+epoch times divided by steps.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from xlatrain.models import SmallCNN
 BATCH = 64
 STEPS = 20
 ROUNDS = 5
-PAIRS = 7  # back-to-back epoch pairs per round
+PAIRS = 6  # repetitions per round, each side once per repetition
 # One compute thread: the second core absorbs the host's own work, which otherwise lands in
 # one side's epoch at random (this VM's epoch times drift by several percent with two threads).
 THREADS = 1
@@ -65,6 +66,11 @@ def _measure() -> dict[str, Any]:
     torch.manual_seed(0)
     plain_model = SmallCNN(in_channels=1, num_outputs=10, width=32)
     plain_opt = torch.optim.Adam(plain_model.parameters(), lr=1e-3)
+    # A second plain loop on its own model copy: the same program twice, whose ratio to the first
+    # is this machine's noise floor for the Trainer's ratio (an A/A control).
+    torch.manual_seed(0)
+    control_model = SmallCNN(in_channels=1, num_outputs=10, width=32)
+    control_opt = torch.optim.Adam(control_model.parameters(), lr=1e-3)
     loader = DataLoader(data, batch_size=BATCH, shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(0))
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as run_dir:
@@ -77,24 +83,31 @@ def _measure() -> dict[str, Any]:
             checkpoint=CheckpointConfig(enabled=False),
             backend="cpu",
         )
-        plain, ours = [], []
-        round_ratios = []
-        _plain_epoch(plain_model, plain_opt, loader)  # warm-up both (allocator, kernels)
+        plain, ours, control = [], [], []
+        round_ratios, control_ratios = [], []
+        _plain_epoch(plain_model, plain_opt, loader)  # warm-up every side (allocator, kernels)
+        _plain_epoch(control_model, control_opt, loader)
         trainer.fit(data)
+        run_side = {
+            "plain": lambda: plain.append(_plain_epoch(plain_model, plain_opt, loader)),
+            "trainer": lambda: ours.append(trainer.fit(data)[-1]["epoch_time_s"]),
+            "control": lambda: control.append(_plain_epoch(control_model, control_opt, loader)),
+        }
+        names = list(run_side)
         for r in range(ROUNDS):
-            pairs = []
+            pairs, controls = [], []
             for k in range(PAIRS):
-                # Alternate which side goes first, so neither always runs on a warmer cache.
-                if k % 2:
-                    ours.append(trainer.fit(data)[-1]["epoch_time_s"])
-                plain.append(_plain_epoch(plain_model, plain_opt, loader))
-                if not k % 2:
-                    ours.append(trainer.fit(data)[-1]["epoch_time_s"])
-                # The two epochs ran back to back: their ratio cancels slow drift in machine load.
+                # Rotate the order, so no side always runs on a warmer cache.
+                shift = (r * PAIRS + k) % len(names)
+                for name in names[shift:] + names[:shift]:
+                    run_side[name]()
+                # The epochs ran back to back: their ratio cancels slow drift in machine load.
                 pairs.append(ours[-1] / plain[-1])
-            # A round's ratio is the median of its pairs: one epoch hit by a burst of other load
-            # does not decide it.
+                controls.append(control[-1] / plain[-1])
+            # A round's ratio is the median of its repetitions: one epoch hit by a burst of other
+            # load does not decide it.
             round_ratios.append(statistics.median(pairs))
+            control_ratios.append(statistics.median(controls))
     plain_step = statistics.median(plain) / STEPS
     ours_step = statistics.median(ours) / STEPS
     per_round = round_ratios
@@ -103,6 +116,11 @@ def _measure() -> dict[str, Any]:
         "ratio_min_median_max": [round(min(per_round), 4), round(statistics.median(per_round), 4), round(max(per_round), 4)],
         "ratio_per_round": [round(r, 4) for r in per_round],
         "ratio_of_medians": round(ours_step / plain_step, 4),
+        # The second plain loop over the first, round by round: how far two identical programs
+        # differ on this machine.
+        "control_ratio_per_round": [round(r, 4) for r in control_ratios],
+        "control_ratio_min_median_max": [
+            round(min(control_ratios), 4), round(statistics.median(control_ratios), 4), round(max(control_ratios), 4)],
         "trainer_step_ms": round(ours_step * 1e3, 3),
         "plain_step_ms": round(plain_step * 1e3, 3),
         "device": "cpu",
@@ -111,7 +129,7 @@ def _measure() -> dict[str, Any]:
         "model": "SmallCNN (digits demo), 1x32x32 input, batch 64, Adam",
         "steps_per_epoch": STEPS,
         "rounds": ROUNDS,
-        "epoch_pairs_per_round": PAIRS,
+        "repetitions_per_round": PAIRS,
         "target": "ratio (Trainer / plain loop step time) <= 1.03 in every round",
         "target_met": max(per_round) <= 1.03,
     }
