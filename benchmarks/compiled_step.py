@@ -18,22 +18,14 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
+from benchmarks.trainer_overhead import BATCH, STEPS, _data, _plain_epoch, with_threads
 from xlatrain import CheckpointConfig, TrainConfig, Trainer
 from xlatrain.models import SmallCNN
 
-BATCH = 64
-STEPS = 20
 ROUNDS = 5
 REPEATS = 4  # each round runs the four sides this many times, the order rotating
-THREADS = 1  # as in trainer_overhead: the second core takes the host's own work
-
-
-def _data() -> TensorDataset:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(BATCH * STEPS, 1, 32, 32, generator=g)
-    return TensorDataset(x, torch.randint(0, 10, (BATCH * STEPS,), generator=g))
 
 
 def _model() -> nn.Module:
@@ -42,27 +34,11 @@ def _model() -> nn.Module:
 
 
 def _loop_epoch(forward: Any, model: nn.Module, opt: torch.optim.Optimizer, loader: DataLoader[Any]) -> float:
-    loss_fn = nn.CrossEntropyLoss()
-    model.train()
-    start = time.perf_counter()
-    loss_sum = torch.zeros(())
-    for x, y in loader:
-        loss = loss_fn(forward(x), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        loss_sum += loss.detach()
-    float(loss_sum)  # the epoch-end read the Trainer also does
-    return time.perf_counter() - start
+    return _plain_epoch(model, opt, loader, forward=forward)
 
 
 def run() -> dict[str, Any]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(THREADS)
-    try:
-        return _measure()
-    finally:
-        torch.set_num_threads(threads)
+    return with_threads(_measure)
 
 
 def _measure() -> dict[str, Any]:
