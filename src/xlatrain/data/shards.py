@@ -770,6 +770,8 @@ def _worker_main(reader: _BatchReader, buffer: torch.Tensor, slot_bytes: int, co
                 return  # the main process is gone (this one was re-parented)
             continue
         try:
+            # A task from the main process over this worker's own pipe (what Connection.recv
+            # unpickles too); nothing read from disk is ever unpickled.
             message = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):
             return
