@@ -1,11 +1,12 @@
 """Trainer(compile=True) against a hand-written loop that compiles the same model, and both
 against the plain eager loop: same model, data, optimizer and seed, on the CPU, in this process.
 
-Each round runs the sides ``REPEATS`` times, their order rotating; a round's ratio is the
-median over its repetitions of ratios between epochs that ran back to back, so slow drift in
-machine load cancels and one disturbed epoch does not decide it. The compiled sides are compiled once, before the rounds
-(``torch.compile`` with its default backend, inductor, as ``TrainConfig(compile=True)`` uses on the
-CPU); the rounds time steady-state epochs only.
+A second hand-compiled copy runs beside them as an A/A control. Each round runs the sides
+``REPEATS`` times, their order rotating; a round's ratio is the median over its repetitions of
+ratios between epochs that ran back to back, so slow drift in machine load cancels and one
+disturbed epoch does not decide it. The compiled sides are compiled once, before the rounds
+(``torch.compile`` with its default backend, inductor, as ``TrainConfig(compile=True)`` uses on
+the CPU); the rounds time steady-state epochs only.
 """
 
 from __future__ import annotations
@@ -33,10 +34,6 @@ def _model() -> nn.Module:
     return SmallCNN(in_channels=1, num_outputs=10, width=32)
 
 
-def _loop_epoch(forward: Any, model: nn.Module, opt: torch.optim.Optimizer, loader: DataLoader[Any]) -> float:
-    return _plain_epoch(model, opt, loader, forward=forward)
-
-
 def run() -> dict[str, Any]:
     return with_threads(_measure)
 
@@ -62,19 +59,19 @@ def _measure() -> dict[str, Any]:
             accelerator="cpu",
         )
         started = time.perf_counter()
-        _loop_epoch(compiled_forward, compiled_model, compiled_opt, loader)  # compiles
+        _plain_epoch(compiled_model, compiled_opt, loader, forward=compiled_forward)  # compiles
         hand_compile_s = time.perf_counter() - started
         started = time.perf_counter()
         trainer.fit(data)  # compiles
         trainer_compile_s = time.perf_counter() - started
-        _loop_epoch(control_forward, control_model, control_opt, loader)
-        _loop_epoch(eager_model, eager_model, eager_opt, loader)
+        _plain_epoch(control_model, control_opt, loader, forward=control_forward)
+        _plain_epoch(eager_model, eager_opt, loader)
         sides: dict[str, list[float]] = {"trainer": [], "hand": [], "control": [], "eager": []}
         run_side = {
             "trainer": lambda: trainer.fit(data)[-1]["epoch_time_s"],
-            "hand": lambda: _loop_epoch(compiled_forward, compiled_model, compiled_opt, loader),
-            "control": lambda: _loop_epoch(control_forward, control_model, control_opt, loader),
-            "eager": lambda: _loop_epoch(eager_model, eager_model, eager_opt, loader),
+            "hand": lambda: _plain_epoch(compiled_model, compiled_opt, loader, forward=compiled_forward),
+            "control": lambda: _plain_epoch(control_model, control_opt, loader, forward=control_forward),
+            "eager": lambda: _plain_epoch(eager_model, eager_opt, loader),
         }
         names = list(run_side)
         orders = [names[i:] + names[:i] for i in range(len(names))]

@@ -140,7 +140,6 @@ class RuntimeNeeds:
         return f"torch {self.torch_lowest}-{self.torch_highest}"
 
 
-
 COMPATIBILITY: tuple[RuntimeNeeds, ...] = (
     # torch_tpu 0.2.0's METADATA: Requires-Dist torch>=2.11.0,<=2.15.0, libtpu>=0.0.50;
     # Requires-Python >=3.11. It ships C++ glue for torch 2.11.0 to 2.15.0 only.

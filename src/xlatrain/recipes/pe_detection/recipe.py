@@ -114,6 +114,7 @@ def _check_generated(data: DataConfig, root: Path) -> None:
 def _prepare(data: DataConfig, root: Path) -> None:
     import json
 
+    from xlatrain.checkpoint import atomic_write_text
     from xlatrain.data import synthetic_rsna
     from xlatrain.data.pack import pack
 
@@ -126,9 +127,7 @@ def _prepare(data: DataConfig, root: Path) -> None:
             root, num_studies=data.num_studies, slices_per_study=(lo, hi), image_size=data.stored_size,
             seed=data.seed, workers=data.workers,
         )
-        tmp = root / f".{GENERATED_FROM}.tmp"
-        tmp.write_text(json.dumps(_generation(data)))
-        tmp.replace(root / GENERATED_FROM)
+        atomic_write_text(root / GENERATED_FROM, json.dumps(_generation(data)))
     _check_generated(data, root)
     if data.source == "shards" and not (data.shard_dir / "manifest.json").is_file():
         log.info(f"packing {root} into {data.shard_dir} ...")
