@@ -5,6 +5,8 @@ import dataclasses
 import functools
 import json
 import math
+import os
+import signal
 
 import pytest
 import torch
@@ -220,6 +222,36 @@ def test_early_stopping_stops_at_the_expected_epoch_and_a_rerun_trains_nothing(t
     assert "early stop: train_loss has not improved for 2 epoch(s)" in caplog.text
     again = _linear_trainer(tmp_path, **cfg).fit(_xy())
     assert [r["epoch"] for r in again] == [1, 2, 3] and "stopped early after epoch 3" in caplog.text
+
+
+class _TermAt(torch.utils.data.Dataset):
+    """``_xy()``, sending this process SIGTERM when its ``at``-th item is read."""
+
+    def __init__(self, at):
+        self.base, self.reads, self.at = _xy(), 0, at
+
+    def __len__(self):
+        return len(self.base)
+
+    def __getitem__(self, i):
+        self.reads += 1
+        if self.reads == self.at:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return self.base[i]
+
+
+def test_early_stopping_resumes_after_a_sigterm_and_stops_where_an_uninterrupted_run_does(tmp_path):
+    cfg = {"epochs": 10, "monitor": "train_loss", "monitor_mode": "max", "early_stop_patience": 2}
+    whole = _linear_trainer(tmp_path / "whole", **cfg).fit(_xy())
+    # 10 steps of 4 items per epoch: read 60 falls in epoch 2, after epoch 1 made its best.
+    with pytest.raises(SystemExit) as stop:
+        _linear_trainer(tmp_path / "cut", **cfg).fit(_TermAt(60))
+    assert stop.value.code == 0
+    cut = json.loads((tmp_path / "cut" / "history.json").read_text())
+    assert [r["epoch"] for r in cut] == [1]  # stopped inside epoch 2
+    resumed = _linear_trainer(tmp_path / "cut", **cfg).fit(_xy())
+    assert [r["epoch"] for r in resumed] == [r["epoch"] for r in whole] == [1, 2, 3]
+    assert [r["train_loss"] for r in resumed] == [r["train_loss"] for r in whole]
 
 
 def test_save_best_false_writes_no_best_weights(tmp_path):
