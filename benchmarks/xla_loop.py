@@ -13,6 +13,10 @@ order alternates so that drift in machine load hits every side alike:
   its model, SGD with momentum, ``MpDeviceLoader``, a step closure every 20 steps) against the
   Trainer in SPMD mode and in one-process-per-chip mode (``xla_mode="multiprocess"``, one device).
 
+- ``param_aliasing`` (3 rounds, A B, B A, A B): the Trainer with parameter buffer donation back
+  on (torch_xla's default; xlatrain turns it off on XLA:CPU, where the thread that launches a step
+  then waits for it) over the Trainer as it runs: what that one cause of the old gap costs.
+
 A process's steps/s is the median of its epochs after the first (the first one compiles), so a
 burst of other load in one epoch does not decide a round; each round's ratio pairs processes that
 ran next to each other. Transfers and graph cuts per step come from torch_xla's
@@ -165,9 +169,11 @@ def _side(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _rounds(
-    sides: dict[str, tuple[str, dict[str, Any]]], tmp: str, tag: str, repeats: int = 1
+    sides: dict[str, tuple[str, dict[str, Any], dict[str, str]]], tmp: str, tag: str, repeats: int = 1,
+    rounds: int = ROUNDS,
 ) -> dict[str, list[dict[str, Any]]]:
-    """``ROUNDS`` rounds of every side, each process fresh, the order reversed every round.
+    """``rounds`` rounds of every side ``(mode, options, environment on top of XLA:CPU's)``, each
+    process fresh, the order reversed every round.
 
     With ``repeats=2`` a round runs A B B A (then B A A B) and keeps each side's faster process:
     other load on the machine only ever slows a process down, and a burst of it that covers one
@@ -175,16 +181,16 @@ def _rounds(
     """
     names = list(sides)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
-    for r in range(ROUNDS):
+    for r in range(rounds):
         order = names if r % 2 == 0 else names[::-1]
         sequence = order if repeats == 1 else order + order[::-1]
         got: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
         for i, name in enumerate(sequence):
-            mode, opts = sides[name]
+            mode, opts, extra_env = sides[name]
             # A fresh cache per process: on XLA:CPU it cannot load entries anyway, and no run
             # should profit from another's compilations where it can.
             cache_dir = os.path.join(tmp, f"cache-{tag}-{name}-{r}-{i}")
-            got[name].append(run_worker(mode, opts, xla_cpu_env(cache_dir)))
+            got[name].append(run_worker(mode, opts, {**xla_cpu_env(cache_dir), **extra_env}))
         for name in names:
             runs[name].append(max(got[name], key=lambda result: _steady(result)["steps_per_s"]))
     return runs
@@ -197,7 +203,7 @@ def _ratios(runs: dict[str, list[dict[str, Any]]], ours: str, theirs: str) -> li
 def vs_tutorial(tmp: str) -> dict[str, Any]:
     """The tutorial loop against the Trainer (SPMD), ``ROUNDS`` alternating rounds."""
     runs = _rounds(
-        {"tutorial": ("tutorial", TUTORIAL_OPTS), "trainer": ("trainer", TUTORIAL_OPTS)}, tmp, "tut", repeats=2
+        {"tutorial": ("tutorial", TUTORIAL_OPTS, {}), "trainer": ("trainer", TUTORIAL_OPTS, {})}, tmp, "tut", repeats=2
     )
     ratios = _ratios(runs, "trainer", "tutorial")
     tut, ours = _side(runs["tutorial"]), _side(runs["trainer"])
@@ -226,9 +232,9 @@ def vs_tutorial(tmp: str) -> dict[str, Any]:
 def vs_mnist_example(tmp: str) -> dict[str, Any]:
     """pytorch/xla's MNIST example loop against the Trainer in SPMD and one-process-per-chip modes."""
     sides = {
-        "example": ("mnist_example", EXAMPLE_OPTS),
-        "trainer_spmd": ("trainer", {**EXAMPLE_OPTS, "xla_mode": "spmd"}),
-        "trainer_multiprocess": ("trainer", {**EXAMPLE_OPTS, "xla_mode": "multiprocess"}),
+        "example": ("mnist_example", EXAMPLE_OPTS, {}),
+        "trainer_spmd": ("trainer", {**EXAMPLE_OPTS, "xla_mode": "spmd"}, {}),
+        "trainer_multiprocess": ("trainer", {**EXAMPLE_OPTS, "xla_mode": "multiprocess"}, {}),
     }
     runs = _rounds(sides, tmp, "mnist")
     spmd, mp = _ratios(runs, "trainer_spmd", "example"), _ratios(runs, "trainer_multiprocess", "example")
@@ -248,15 +254,34 @@ def vs_mnist_example(tmp: str) -> dict[str, Any]:
     }
 
 
+def param_aliasing(tmp: str) -> dict[str, Any]:
+    """What one cause of the old gap costs: the Trainer with parameter buffer donation back on
+    (``XLA_ENABLE_PARAM_ALIASING=1``, torch_xla's default, which xlatrain turns off on XLA:CPU),
+    against the Trainer as it runs; three alternating rounds on the tutorial comparison's data."""
+    runs = _rounds(
+        {"trainer": ("trainer", TUTORIAL_OPTS, {}),
+         "trainer_aliasing_on": ("trainer", TUTORIAL_OPTS, {"XLA_ENABLE_PARAM_ALIASING": "1"})},
+        tmp, "alias", rounds=3,
+    )
+    ratios = _ratios(runs, "trainer_aliasing_on", "trainer")
+    return {
+        "aliasing_on_over_off_per_round": [round(x, 3) for x in ratios],
+        "aliasing_on_over_off": _spread(ratios),
+        "steps_per_s": {name: _side(r)["steps_per_s"] for name, r in runs.items()},
+    }
+
+
 def run() -> dict[str, Any]:
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="xlatrain-bench-") as tmp:
         tutorial = vs_tutorial(tmp)
         example = vs_mnist_example(tmp)
+        aliasing = param_aliasing(tmp)
     return {
         "speedup_vs_tutorial": tutorial["ratio"]["median"],
         "vs_tutorial": tutorial,
         "vs_mnist_example": example,
+        "param_aliasing": aliasing,
         "platform": "XLA:CPU",
         "devices": 1,
         "rounds": ROUNDS,
@@ -269,8 +294,8 @@ def run() -> dict[str, Any]:
             "alternate the order of the sides. "
             "The Trainer cuts the graph once per step and reads the device only every log_every "
             "steps, so the host traces step N+1 while step N runs; on XLA:CPU it also turns off "
-            "parameter buffer donation (XLA_ENABLE_PARAM_ALIASING=0), with which the launching "
-            "thread waits for the step to finish. The tutorial and example processes keep "
+            "parameter buffer donation (XLA_ENABLE_PARAM_ALIASING=0); param_aliasing measures what "
+            "donation costs the Trainer in this run. The tutorial and example processes keep "
             "torch_xla's defaults"
         ),
     }

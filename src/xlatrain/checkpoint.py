@@ -24,8 +24,9 @@ log = get_logger(__name__)
 _ALIASES_KEY = "xlatrain.aliases"
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
+def fsync_path(path: str | os.PathLike[str]) -> None:
+    """Flush a file's or a directory's entries to disk."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -57,7 +58,7 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
         except FileNotFoundError:
             pass
         raise
-    _fsync_dir(path.parent)
+    fsync_path(path.parent)
     return path
 
 
@@ -202,9 +203,9 @@ def write_checkpoint(root: str | os.PathLike[str], step: int, tensors: dict[str,
         _write_synced(tmp / STATE_FILE, blob)
         meta = dict(meta, name=name, files={STATE_FILE: _sha256(blob)})
         _write_synced(tmp / META_FILE, (json.dumps(meta, indent=1) + "\n").encode())
-        _fsync_dir(tmp)
+        fsync_path(tmp)
         os.rename(tmp, root / name)
-        _fsync_dir(root)
+        fsync_path(root)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         latest = latest_name(root)

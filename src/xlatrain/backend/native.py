@@ -235,8 +235,8 @@ class NativeBackend:
         return bool(t[0])
 
 
-class _CudaPrefetcher:
-    """Copies the next batch to the GPU on a side stream while the current one computes."""
+class _DeviceFeed:
+    """Batches of ``loader`` moved to ``device``, each copy started before the previous batch is used."""
 
     def __init__(self, loader: Iterable[Any], device: torch.device) -> None:
         self._loader = loader
@@ -244,6 +244,13 @@ class _CudaPrefetcher:
 
     def __len__(self) -> int:
         return len(self._loader)  # type: ignore[arg-type]
+
+    def _copy(self, t: Any) -> Any:
+        return t.to(self._device, non_blocking=True) if isinstance(t, torch.Tensor) else t
+
+
+class _CudaPrefetcher(_DeviceFeed):
+    """Copies the next batch to the GPU on a side stream while the current one computes."""
 
     def __iter__(self) -> Iterator[Any]:
         stream = torch.cuda.Stream(self._device)
@@ -258,9 +265,6 @@ class _CudaPrefetcher:
         if pending is not None:
             yield self._ready(*pending)
 
-    def _copy(self, t: Any) -> Any:
-        return t.to(self._device, non_blocking=True) if isinstance(t, torch.Tensor) else t
-
     @staticmethod
     def _ready(batch: Any, copied: Any) -> Any:
         current = torch.cuda.current_stream()
@@ -270,24 +274,17 @@ class _CudaPrefetcher:
         return batch
 
 
-class _AheadCopier:
+class _AheadCopier(_DeviceFeed):
     """Starts the next batch's host-to-device copy (non-blocking) before the current one is used.
 
     For TorchTPU, whose streams and events are not usable for this yet: its non-blocking copy
     keeps the source alive and returns at once, so the copy overlaps the step.
     """
 
-    def __init__(self, loader: Iterable[Any], device: torch.device) -> None:
-        self._loader = loader
-        self._device = device
-
-    def __len__(self) -> int:
-        return len(self._loader)  # type: ignore[arg-type]
-
     def __iter__(self) -> Iterator[Any]:
         pending = None
         for batch in self._loader:
-            on_device = tree_map(lambda t: t.to(self._device, non_blocking=True) if isinstance(t, torch.Tensor) else t, batch)
+            on_device = tree_map(self._copy, batch)
             if pending is not None:
                 yield pending
             pending = on_device

@@ -249,13 +249,15 @@ class StepTrace:
         )
 
     def _end_torch(self) -> tuple[str, list[dict[str, Any]], dict[str, Any]]:
+        from xlatrain.checkpoint import fsync_path
+
         session, self._session = self._session, None
         session.stop()  # waits for the device's outstanding work, so the last step is complete
         path = self.out_dir / TRACE_FILE
         tmp = self.out_dir / f".{TRACE_FILE}.{os.getpid()}.tmp"
         try:
             session.export_chrome_trace(str(tmp))
-            _fsync(tmp)
+            fsync_path(tmp)
             os.replace(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)
@@ -498,12 +500,14 @@ def _torch_transfers(events: list[dict[str, Any]], backend: str) -> dict[str, An
 def _move_xla_trace(tmp: Path, out_dir: Path) -> str:
     """Move ``tmp/plugins/profile/<time>/`` to ``out_dir/plugins/profile/<time>/`` whole; return the
     xplane file's path relative to ``out_dir``."""
+    from xlatrain.checkpoint import fsync_path
+
     runs = sorted(p for p in (tmp / "plugins" / "profile").glob("*") if p.is_dir())
     if not runs:
         raise RuntimeError(f"torch_xla's profiler wrote no trace under {tmp}")
     src = runs[-1]
     for f in src.iterdir():
-        _fsync(f)
+        fsync_path(f)
     dest_root = out_dir / "plugins" / "profile"
     dest_root.mkdir(parents=True, exist_ok=True)
     dest, n = dest_root / src.name, 1
@@ -513,12 +517,4 @@ def _move_xla_trace(tmp: Path, out_dir: Path) -> str:
     os.replace(src, dest)
     xplane = next(iter(sorted(dest.glob("*.xplane.pb"))), None)
     return str((xplane or dest).relative_to(out_dir))
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
