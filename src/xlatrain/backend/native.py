@@ -7,6 +7,7 @@ The device kind is data: ``cpu``, ``cuda`` or ``tpu`` (TorchTPU's device, Privat
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import random
@@ -31,6 +32,11 @@ def launched_by_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or (
         "WORLD_SIZE" in os.environ and "RANK" in os.environ and "LOCAL_RANK" in os.environ
     )
+
+
+def _destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 class NativeBackend:
@@ -82,6 +88,11 @@ class NativeBackend:
             self.device = torch.device("cpu")
         if distributed and not dist.is_initialized():
             dist.init_process_group(backend=PROCESS_GROUP[device_type])
+            # The group this backend made is torn down while the interpreter is still whole:
+            # left to interpreter shutdown, gloo's worker threads can be destroyed still running
+            # and abort the process (SIGABRT) after training succeeded. A group the user made
+            # is theirs to destroy.
+            atexit.register(_destroy_process_group)
         # Host-side agreement (stop requests, RNG states) goes over gloo, so it never syncs the device
         # (and TorchTPU's group takes TPU tensors only).
         self._host_group = (
