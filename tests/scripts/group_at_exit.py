@@ -20,7 +20,8 @@ from trajectory import data, model
 
 
 def at_exit(user_group: bool) -> None:
-    print(f"GROUP AT EXIT rank {os.environ['RANK']} initialized={dist.is_initialized()}", flush=True)
+    # One write of one line: the two ranks share the launcher's output.
+    os.write(1, f"GROUP AT EXIT rank {os.environ['RANK']} initialized={dist.is_initialized()}\n".encode())
     if user_group and dist.is_initialized():
         dist.destroy_process_group()
 
