@@ -99,6 +99,17 @@ def run_script(args: list[str], env: dict[str, str] | None = None, timeout: int 
     return json.loads(lines[0][len("HISTORY ") :])
 
 
+def sign_images(n: int, seed: int):
+    """``n`` random 1x8x8 images labelled by the sign of their mean: a task a small CNN learns in
+    a few epochs (torch imported here: this module settles libtpu before torch is imported)."""
+    import torch
+    from torch.utils.data import TensorDataset
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 1, 8, 8, generator=g)
+    return TensorDataset(x, (x.mean(dim=(1, 2, 3)) > 0).long())
+
+
 @pytest.fixture(autouse=True)
 def _restore_xlatrain_logging():
     """A test that ran the CLI in this process leaves its console handler; take it away."""

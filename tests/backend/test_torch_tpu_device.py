@@ -15,8 +15,8 @@ import importlib.util
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import TensorDataset
 
+from conftest import sign_images
 from xlatrain import TrainConfig, Trainer
 from xlatrain.backend.hardware import find_tpu_chips
 
@@ -27,12 +27,6 @@ pytestmark = [
         reason="needs a TPU and torch_tpu (none here: TorchTPU has no CPU device)",
     ),
 ]
-
-
-def _data(n, seed):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 1, 8, 8, generator=g)
-    return TensorDataset(x, (x.mean(dim=(1, 2, 3)) > 0).long())
 
 
 def _model():
@@ -46,7 +40,7 @@ def _fit(tmp_path, accelerator, **cfg):
         config=TrainConfig(epochs=2, batch_size=16, run_dir=str(tmp_path / "-".join([accelerator, *(f"{k}={v}" for k, v in cfg.items())])), **cfg),
         accelerator=accelerator, devices=1,
     )
-    return trainer, trainer.fit(_data(96, 0), _data(40, 1))
+    return trainer, trainer.fit(sign_images(96, 0), sign_images(40, 1))
 
 
 def test_an_eager_fit_on_torch_tpu_follows_the_cpu_fit(tmp_path):

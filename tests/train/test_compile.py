@@ -11,15 +11,9 @@ import functools
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import TensorDataset
 
+from conftest import sign_images
 from xlatrain import TrainConfig, Trainer
-
-
-def _data(n, seed):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 1, 8, 8, generator=g)
-    return TensorDataset(x, (x.mean(dim=(1, 2, 3)) > 0).long())
 
 
 def _model():
@@ -32,7 +26,7 @@ def _fit(tmp_path, compile):
     trainer = Trainer(_model(), nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.05),
                       config=TrainConfig(epochs=2, batch_size=16, compile=compile, run_dir=str(tmp_path / str(compile))),
                       accelerator="cpu")
-    return trainer, trainer.fit(_data(96, 0), _data(40, 1))
+    return trainer, trainer.fit(sign_images(96, 0), sign_images(40, 1))
 
 
 def test_a_compiled_fit_matches_the_eager_fit(tmp_path):
