@@ -248,7 +248,7 @@ def _trainer(opts: dict[str, Any]) -> dict[str, Any]:
         # after epoch 1's end, best-weight saves included, counts as after warm-up.
         "compilations_after_epoch_1": int(last["xla_compilations"] - history[0]["xla_compilations"]),
         "cache": cache,
-        "compile_cache_dir": trainer.backend.compile_cache_dir,
+        "compile_cache_dir": trainer.runtime.compile_cache_dir,
         "backend": trainer.backend.describe(),
     }
 

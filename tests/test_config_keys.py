@@ -55,6 +55,11 @@ ELSEWHERE = {
     "backend.accelerator": ("train/test_pipelines.py", "test_accelerator_and_devices_on_the_trainer_match_the_yaml_spelling"),
     "backend.devices": ("train/test_distributed.py", "test_spmd_over_four_xla_cpu_devices_matches_one_cpu_device"),
     "backend.xla_mode": ("train/test_distributed.py", "test_one_process_per_device_mode_matches_one_cpu_device"),
+    "backend.strategy": (
+        "train/test_fsdp.py", "test_each_fsdp_process_holds_half_of_the_state_and_each_ddp_process_all_of_it"),
+    "backend.units": ("backend/test_units.py", "test_activation_checkpointing_and_units_reach_the_model_through_the_config"),
+    "backend.activation_checkpointing": (
+        "backend/test_units.py", "test_activation_checkpointing_and_units_reach_the_model_through_the_config"),
     "backend.tpu_runtime": (
         "backend/test_runtimes.py", "test_a_forced_runtime_that_cannot_run_names_what_each_found_and_how_to_install"),
     "checkpoint.every_steps": ("train/test_resume.py", "test_sigterm_mid_epoch_then_resume_is_bitwise_identical_on_cpu"),

@@ -87,7 +87,7 @@ def test_two_runs_overlay_on_shared_axes_with_a_table_naming_the_differing_confi
 def test_one_run_keeps_its_own_report_with_its_profile_and_out_moves_a_comparison(two_runs, tmp_path):
     root, _ = two_runs
     run = root / "lr-0.2"
-    trace = StepTrace(run, (2, 3), backend_name="cpu", is_main=True)
+    trace = StepTrace(run, (2, 3), trace_kind="torch", is_main=True)
     model, x = nn.Linear(6, 3), torch.randn(16, 6)
     for step in range(1, 4):
         trace.before_step(step)

@@ -12,6 +12,7 @@ import os
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 from safetensors.torch import load as st_load
@@ -99,6 +100,12 @@ def save_weights(
 ) -> Path:
     """Save ``module``'s weights to a safetensors file, atomically, keeping weight ties."""
     tensors, aliases = weights_to_host(module, read)
+    return write_weights(path, tensors, aliases)
+
+
+def write_weights(path: str | os.PathLike[str], tensors: dict[str, torch.Tensor], aliases: dict[str, str]) -> Path:
+    """Host tensors (one per distinct weight) and ``{alias: kept name}`` as a weights file that
+    :func:`load_weights` reads, atomically."""
     data = st_save(tensors, metadata={_ALIASES_KEY: json.dumps(aliases)})
     return atomic_write_bytes(path, data)
 
@@ -129,16 +136,23 @@ def _read_metadata(raw: bytes) -> dict[str, str]:
 #
 # RUN_DIR/checkpoints/
 #   step-00000123/          one directory per checkpoint, renamed into place when complete
-#     state.safetensors     every tensor (model, optimizer, training sums)
-#     meta.json             everything else, and the sha256 of state.safetensors
+#     state.safetensors     a whole state: every tensor (model, optimizer), written by one process
+#     shards/               or a sharded state (FSDP): each process's part, through
+#       __0.safetensors     torch.distributed.checkpoint (see xlatrain.shard_storage), with
+#       index.json          index.json naming every chunk and each file's sha256
+#     meta.json             everything else, written last, with the sha256 of state.safetensors
+#                           or of shards/index.json
 #   .tmp-*                  a save in progress (or one killed mid-way; removed at the next start)
 #
 # The complete directories are the only record of what exists: a directory appears by one atomic
 # rename, so the newest one that verifies is the latest checkpoint, and no pointer file can
-# disagree with them after a crash.
+# disagree with them after a crash. A sharded save is written by every process into one temporary
+# directory; the main process writes meta.json and renames it only after all parts are complete.
 
 STATE_FILE = "state.safetensors"
 META_FILE = "meta.json"
+SHARDS_DIR = "shards"
+SHARDS_INDEX = f"{SHARDS_DIR}/index.json"
 
 
 class CheckpointError(RuntimeError):
@@ -180,6 +194,32 @@ def list_checkpoints(root: str | os.PathLike[str]) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def _next_name(root: Path, step: int) -> str:
+    name = f"step-{step:08d}"
+    again = 1
+    while (root / name).exists():
+        name = f"step-{step:08d}.{again}"
+        again += 1
+    return name
+
+
+def _save_failed(root: Path, name: str, exc: OSError, where: Path) -> CheckpointError:
+    latest = latest_name(root)
+    return CheckpointError(
+        f"could not save checkpoint {root / name}: {exc.strerror or exc} "
+        f"({exc.filename or where}); temporary files removed; the latest checkpoint is still "
+        f"{latest or 'none'}. Free disk space or fix permissions on {root}."
+    )
+
+
+def _commit(tmp: Path, root: Path, name: str, meta: dict) -> None:
+    """Write meta.json last, then make the directory visible under its final name in one rename."""
+    _write_synced(tmp / META_FILE, (json.dumps(meta, indent=1) + "\n").encode())
+    fsync_path(tmp)
+    os.rename(tmp, root / name)
+    fsync_path(root)
+
+
 def write_checkpoint(root: str | os.PathLike[str], step: int, tensors: dict[str, torch.Tensor], meta: dict) -> Path:
     """Write one checkpoint directory atomically (it appears complete, or not at all).
 
@@ -190,30 +230,84 @@ def write_checkpoint(root: str | os.PathLike[str], step: int, tensors: dict[str,
     import shutil
 
     root = Path(root)
-    name = f"step-{step:08d}"
-    again = 1
-    while (root / name).exists():
-        name = f"step-{step:08d}.{again}"
-        again += 1
+    name = _next_name(root, step)
     tmp = root / f".tmp-{name}-{os.getpid()}"
     try:
         root.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
         blob = st_save(tensors)
         _write_synced(tmp / STATE_FILE, blob)
-        meta = dict(meta, name=name, files={STATE_FILE: _sha256(blob)})
-        _write_synced(tmp / META_FILE, (json.dumps(meta, indent=1) + "\n").encode())
-        fsync_path(tmp)
-        os.rename(tmp, root / name)
-        fsync_path(root)
+        _commit(tmp, root, name, dict(meta, name=name, files={STATE_FILE: _sha256(blob)}))
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        raise _save_failed(root, name, exc, tmp) from exc
+    return root / name
+
+
+class ProcessGroup(Protocol):
+    """What a sharded save or a collective resume needs of the job's processes (a Strategy)."""
+
+    process_index: int
+    num_processes: int
+
+    @property
+    def is_main(self) -> bool: ...
+
+    def barrier(self) -> None: ...
+
+    def gather_objects(self, obj: Any) -> list[Any]: ...
+
+    def any_process(self, flag: bool) -> bool: ...
+
+
+def write_sharded_checkpoint(
+    root: str | os.PathLike[str], step: int, meta: dict, save_state: Callable[[Path], dict], group: ProcessGroup
+) -> Path:
+    """Every process writes its part of one checkpoint; it appears complete, or not at all.
+
+    ``save_state(directory)`` is the strategy's collective save; it returns the state's JSON part
+    (optimizer hyper-parameters), kept in meta.json. The main process names the checkpoint and
+    makes the temporary directory; all write into it; the main process then writes meta.json with
+    the sha256 of the shards' index and renames the directory into place. A failure on any
+    process fails the save on every process, with the previous checkpoint still the latest.
+    """
+    import shutil
+
+    root = Path(root)
+    plan: tuple[str, str, str | None] | None = None
+    if group.is_main:
+        name = _next_name(root, step)
+        tmp = root / f".tmp-{name}-{os.getpid()}"
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            tmp.mkdir()
+            plan = (name, str(tmp), None)
+        except OSError as exc:
+            plan = (name, str(tmp), str(_save_failed(root, name, exc, tmp)))
+    name, tmp_name, error = group.gather_objects(plan)[0]
+    tmp = Path(tmp_name)
+    if error is not None:
+        raise CheckpointError(error)
+    failure: str | None = None
+    try:
+        extra = save_state(tmp / SHARDS_DIR)
+    except Exception as exc:  # DCP reports every process's failure on every process
+        failure = f"could not save checkpoint {root / name}: {exc}"
+    if failure is None and group.is_main:
+        try:
+            index = (tmp / SHARDS_INDEX).read_bytes()
+            _commit(tmp, root, name, dict(meta, name=name, sharded=extra, files={SHARDS_INDEX: _sha256(index)}))
+        except OSError as exc:
+            failure = str(_save_failed(root, name, exc, tmp))
+    if group.any_process(failure is not None):
+        if group.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
         latest = latest_name(root)
         raise CheckpointError(
-            f"could not save checkpoint {root / name}: {exc.strerror or exc} "
-            f"({exc.filename or tmp}); temporary files removed; the latest checkpoint is still "
-            f"{latest or 'none'}. Free disk space or fix permissions on {root}."
-        ) from exc
+            (failure or f"could not save checkpoint {root / name}: another process failed")
+            + ("" if "the latest checkpoint is still" in (failure or "") else
+               f"; the latest checkpoint is still {latest or 'none'}")
+        )
     return root / name
 
 
@@ -223,32 +317,114 @@ def latest_name(root: str | os.PathLike[str]) -> str | None:
     return found[-1].name if found else None
 
 
-def read_checkpoint(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], dict]:
-    """Load and verify one checkpoint; :class:`CheckpointError` names what is wrong."""
+def read_checkpoint(path: str | os.PathLike[str], verify_shards: bool = True) -> tuple[dict[str, torch.Tensor] | None, dict]:
+    """Load and verify one checkpoint; :class:`CheckpointError` names what is wrong.
+
+    Returns ``(tensors, meta)`` for a whole state, ``(None, meta)`` for a sharded one (its parts
+    are loaded by the strategy; ``verify_shards`` checks every part's sha256 here).
+    """
     path = Path(path)
     try:
         meta = json.loads((path / META_FILE).read_text())
-        blob = (path / STATE_FILE).read_bytes()
+        if SHARDS_INDEX in meta.get("files", {}):
+            expected, name = meta["files"][SHARDS_INDEX], SHARDS_INDEX
+            blob = (path / SHARDS_INDEX).read_bytes()
+        else:
+            expected, name = meta.get("files", {}).get(STATE_FILE), STATE_FILE
+            blob = (path / STATE_FILE).read_bytes()
     except FileNotFoundError as exc:
         raise CheckpointError(f"checkpoint {path} is incomplete: {Path(exc.filename).name} is missing") from exc
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"checkpoint {path} has an unreadable {META_FILE}: {exc}") from exc
-    expected = meta.get("files", {}).get(STATE_FILE)
     if expected != _sha256(blob):
-        raise CheckpointError(f"checkpoint {path}: {STATE_FILE} does not match its checksum (damaged or truncated)")
-    return st_load(blob), meta
+        raise CheckpointError(f"checkpoint {path}: {name} does not match its checksum (damaged or truncated)")
+    if name == STATE_FILE:
+        return st_load(blob), meta
+    if verify_shards:
+        check_shards(path, json.loads(blob))
+    return None, meta
 
 
-def find_resumable(root: str | os.PathLike[str]) -> tuple[Path, dict[str, torch.Tensor], dict] | None:
-    """The newest checkpoint under ``root`` that verifies; damaged ones are skipped with a warning."""
-    for path in reversed(list_checkpoints(root)):
+def check_shards(path: Path, index: dict, which: slice = slice(None)) -> None:
+    """Every shard file ``which`` selects (of the sorted list) matches its sha256, or CheckpointError."""
+    from xlatrain.shard_storage import verify_files
+
+    bad = verify_files(path / SHARDS_DIR, index, sorted(index["files"])[which])
+    if bad:
+        raise CheckpointError(
+            f"checkpoint {path}: {', '.join(f'{SHARDS_DIR}/{b}' for b in bad)} missing or not matching "
+            "its checksum (damaged or truncated)"
+        )
+
+
+def find_resumable(
+    root: str | os.PathLike[str], group: ProcessGroup | None = None
+) -> tuple[Path, dict[str, torch.Tensor] | None, dict] | None:
+    """The newest checkpoint under ``root`` that verifies; damaged ones are skipped with a warning.
+
+    With ``group`` (the job's processes) every process takes the same decision: the main process
+    lists the checkpoints, the shards of a sharded one are verified part by part across the
+    processes, and one that fails anywhere is skipped everywhere.
+    """
+    many = group is not None and group.num_processes > 1
+    candidates = [str(p) for p in reversed(list_checkpoints(root))]
+    if many:
+        candidates = group.gather_objects(candidates if group.is_main else None)[0]
+    for candidate in candidates:
+        path = Path(candidate)
+        found: tuple[dict[str, torch.Tensor] | None, dict] | None = None
+        error: str | None = None
         try:
-            tensors, meta = read_checkpoint(path)
+            found = read_checkpoint(path, verify_shards=not many)
+            if many and found[0] is None:
+                index = json.loads((path / SHARDS_INDEX).read_text())
+                check_shards(path, index, slice(group.process_index, None, group.num_processes))
         except CheckpointError as exc:
-            log.warning(f"skipping {exc}; trying the previous checkpoint")
+            error = str(exc)
+        if many:
+            errors = [e for e in group.gather_objects(error) if e is not None]
+            error = errors[0] if errors else None
+        if error is not None:
+            log.warning(f"skipping {error}; trying the previous checkpoint")
             continue
-        return path, tensors, meta
+        assert found is not None
+        return path, found[0], found[1]
     return None
+
+
+def export_weights(source: str | os.PathLike[str], out: str | os.PathLike[str] | None = None) -> tuple[Path, Path]:
+    """Whole model weights for inference, from a run directory or one checkpoint, as a safetensors
+    file that :func:`load_weights` reads: a sharded checkpoint's parts are put together on the host.
+
+    ``source``: a checkpoint directory, or a run directory (its newest checkpoint that verifies).
+    ``out``: default ``RUN_DIR/model.safetensors``. Returns ``(checkpoint used, file written)``.
+    """
+    source = Path(source)
+    if (source / META_FILE).is_file():
+        path = source
+        tensors, meta = read_checkpoint(path)
+        run_dir = path.parent.parent
+    else:
+        if not (source / "checkpoints").is_dir():
+            raise ValueError(
+                f"{source} is neither a run directory (no checkpoints/ in it) nor a checkpoint (no {META_FILE}): "
+                "give RUN_DIR or RUN_DIR/checkpoints/step-NNNNNNNN"
+            )
+        found = find_resumable(source / "checkpoints")
+        if found is None:
+            raise ValueError(f"{source}/checkpoints holds no checkpoint that verifies: nothing to export")
+        path, tensors, meta = found
+        run_dir = source
+    aliases = meta.get("model_aliases", {})
+    if tensors is None:
+        from xlatrain.shard_storage import consolidate
+
+        weights = consolidate(path / SHARDS_DIR, prefix="model.")
+    else:
+        weights = {k[len("model."):]: t for k, t in tensors.items() if k.startswith("model.")}
+    weights = {k: t.contiguous() for k, t in weights.items() if k not in aliases}
+    target = Path(out) if out is not None else run_dir / "model.safetensors"
+    return path, write_weights(target, weights, aliases)
 
 
 def prune_checkpoints(root: str | os.PathLike[str], keep_last: int, keep: set[str]) -> None:

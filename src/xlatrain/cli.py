@@ -49,6 +49,17 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    from xlatrain.checkpoint import CheckpointError, export_weights
+
+    try:
+        used, out = export_weights(args.source, args.out)
+    except CheckpointError as exc:
+        raise ValueError(str(exc)) from None
+    print(f"wrote {out} (the model's weights from {used}; load them with xlatrain.load_weights(model, path))")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="xlatrain", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -98,6 +109,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="write here instead (default: RUN_DIR/report/, or FIRST_RUN_DIR/report/compare/ for several runs)",
     )
     report.set_defaults(func=_report)
+
+    export = sub.add_parser(
+        "export",
+        help="the model's whole weights from a run's checkpoint (sharded or not), for inference",
+        description="Write the weights of RUN_DIR's newest checkpoint that verifies (or of the checkpoint "
+        "directory given) to one safetensors file: the parts of a sharded (FSDP) checkpoint are put together "
+        "on this host. xlatrain.load_weights(model, FILE) loads it.",
+    )
+    export.add_argument("source", metavar="RUN_DIR", help="a run directory, or RUN_DIR/checkpoints/step-NNNNNNNN")
+    export.add_argument("--out", metavar="FILE", default=None, help="default: RUN_DIR/model.safetensors")
+    export.set_defaults(func=_export)
     return parser
 
 

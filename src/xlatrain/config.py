@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 ACCELERATORS = ("auto", "tpu", "xla", "cuda", "cpu")
 TPU_RUNTIMES = ("auto", "torch_tpu", "torch_xla")
 XLA_MODES = ("spmd", "multiprocess")
+STRATEGIES = ("auto", "single", "ddp", "fsdp")
 PRECISIONS = ("32", "bf16")
 TASKS = ("auto", "classification", "multilabel", "none")
 MONITOR_MODES = ("max", "min")
@@ -61,6 +62,18 @@ class BackendConfig:
             TorchTPU's in its sibling ``torch_tpu``.
         tpu_runtime: which runtime drives a TPU: ``auto`` (TorchTPU when it has a TPU device, else
             torch_xla), ``torch_tpu`` or ``torch_xla``.
+        strategy: how the model is spread over the devices: ``auto`` (data parallel over what was
+            launched: DDP under torchrun, SPMD over a ``data`` mesh on torch_xla, else one
+            device), ``single``, ``ddp`` (every device a whole replica) or ``fsdp`` (parameters,
+            gradients and optimizer state sharded over the devices: torch's ``fully_shard`` on
+            CPU, CUDA and TorchTPU, torch_xla's FSDPv2 over an ``fsdp`` mesh axis). Checkpoints of
+            an ``fsdp`` run are sharded and resume at any device count.
+        units: the model's repeated blocks, which FSDP shards one at a time and activation
+            checkpointing recomputes: class names (from YAML), classes, or ``fn(module) -> bool``.
+            Default: every class with two or more parameter-holding instances that is not one of
+            torch's own layers (transformer layers, ResNet blocks), outermost first.
+        activation_checkpointing: recompute each unit's activations during backward instead of
+            keeping them: less memory for about one more forward pass of compute.
     """
 
     accelerator: str = "auto"
@@ -68,13 +81,33 @@ class BackendConfig:
     xla_mode: str = "spmd"
     compile_cache: bool = True
     tpu_runtime: str = "auto"
+    strategy: str = "auto"
+    units: Any = None
+    activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         _choice("accelerator", self.accelerator, ACCELERATORS)
         _choice("xla_mode", self.xla_mode, XLA_MODES)
         _choice("tpu_runtime", self.tpu_runtime, TPU_RUNTIMES)
+        _choice("strategy", self.strategy, STRATEGIES)
         if self.devices is not None:
             _positive_int("devices", self.devices)
+        if self.units is not None:
+            if self.strategy != "fsdp" and not self.activation_checkpointing:
+                raise ValueError(
+                    f"units={self.units!r} takes effect only with strategy='fsdp' or activation_checkpointing=True: "
+                    "set one of them, or leave units unset"
+                )
+            if isinstance(self.units, (str, type)):
+                object.__setattr__(self, "units", [self.units])
+            if isinstance(self.units, list):
+                object.__setattr__(self, "units", tuple(self.units))
+            if not callable(self.units) and not (
+                isinstance(self.units, tuple) and self.units and all(isinstance(u, (str, type)) for u in self.units)
+            ):
+                raise ValueError(
+                    f"units={self.units!r} is not valid: give class names, classes, or a function module -> bool"
+                )
 
 
 @dataclass(frozen=True, kw_only=True)

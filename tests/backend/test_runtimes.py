@@ -52,7 +52,7 @@ def test_on_this_host_auto_takes_the_cpu_and_tpu_names_both_runtimes():
     """Real probes: torch_tpu is installed here (in .venv) and dormant, no TPU on the bus."""
     import importlib.util
 
-    assert select_backend("auto").name in ("cpu", "cuda")
+    assert select_backend("auto").runtime.kind in ("cpu", "cuda")
     with pytest.raises(BackendUnavailableError) as raised:
         select_backend("tpu")
     text = str(raised.value)

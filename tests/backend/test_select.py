@@ -26,7 +26,7 @@ def test_auto_without_accelerators_is_the_cpu(monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     be = select_backend("auto")
-    assert be.name == "cpu" and be.world_size == 1 and be.is_main
+    assert be.runtime.kind == "cpu" and be.strategy.name == "single" and be.world_size == 1 and be.is_main
     assert be.describe() == "cpu (CPU), single process"
 
 

@@ -45,8 +45,8 @@ def _fit(tmp_path, accelerator, **cfg):
 
 def test_an_eager_fit_on_torch_tpu_follows_the_cpu_fit(tmp_path):
     tpu_trainer, on_tpu = _fit(tmp_path, "tpu")
-    assert tpu_trainer.backend.name == "tpu"
-    assert tpu_trainer.backend.device.type == "tpu"
+    assert tpu_trainer.runtime.kind == "tpu"
+    assert tpu_trainer.runtime.device.type == "tpu"
     _, on_cpu = _fit(tmp_path, "cpu")
     for a, b in zip(on_cpu, on_tpu):
         for key in ("train_loss", "val_loss"):

@@ -13,10 +13,11 @@ TIED = """
 import torch
 from torch import nn
 import xlatrain
+from xlatrain.backend.precision import Precision
 be = xlatrain.select_backend("xla", devices=2)
 model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False))
 model[1].weight = model[0].weight
-moved = be.prepare_model(model)
+moved = be.strategy.prepare_model(model, Precision("32", "xla"))
 assert moved[1].weight is moved[0].weight, "tie lost"
 assert len(list(moved.parameters())) == 1
 print("TIED OK", moved[0].weight.device)
@@ -55,7 +56,7 @@ host = [({"a": torch.full((4, 3), float(i)), "b": (torch.arange(4) + i,)}, torch
 torch_xla.sync()
 cuts = met.counter_value("MarkStep") or 0
 got = []
-for inputs, targets in be.wrap_loader(host):
+for inputs, targets in be.runtime.wrap_loader(host, be.strategy.input_sharding):
     got.append((inputs, targets))
 cuts = (met.counter_value("MarkStep") or 0) - cuts
 first, targets = got[0]
@@ -68,7 +69,7 @@ def failing():
 
 
 try:
-    for _ in be.wrap_loader(failing()):
+    for _ in be.runtime.wrap_loader(failing(), be.strategy.input_sharding):
         pass
     error = None
 except ValueError as exc:

@@ -31,7 +31,7 @@ def _train(run_dir, steps=None, *, input_delay_s=0.0, between_s=0.0, is_main=Tru
             time.sleep(input_delay_s)  # a slow input pipeline
             yield batch
 
-    trace = StepTrace(run_dir, steps, backend_name="cpu", is_main=is_main) if steps else None
+    trace = StepTrace(run_dir, steps, trace_kind="torch", is_main=is_main) if steps else None
     losses = []
     fetched = time.perf_counter()
     for n, (x, y) in enumerate(loader(), start=1):

@@ -143,30 +143,35 @@ def test_waiting_for_input_on_the_native_cpu_is_a_finding(tmp_path):
                      "fallbacks, not input-bound)"]
 
 
-class _Backend:
-    """What the Backend protocol promises diagnostics, and nothing else (no private fields)."""
+class _Runtime:
+    """What the Runtime protocol promises diagnostics, and nothing else (no private fields)."""
 
-    __slots__ = ("name", "platform", "planned_reads", "num_processes")
+    __slots__ = ("evidence", "platform", "planned_reads")
 
-    def __init__(self, name, platform):
-        self.name, self.platform, self.planned_reads, self.num_processes = name, platform, 0, 1
+    def __init__(self, platform):
+        self.evidence, self.platform, self.planned_reads = None, platform, 0
 
 
-@pytest.mark.parametrize(
-    ("name", "platform", "flagged"), [("tpu", "tpu", True), ("cpu", "cpu", False), ("cuda", "cuda", False)]
-)
-def test_a_small_batch_is_judged_by_the_platform_the_backend_reports(name, platform, flagged):
-    diag = RunDiagnostics(_Backend(name, platform), per_device_batch=8, strict=False)
+class _Strategy:
+    __slots__ = ("num_processes",)
+
+    def __init__(self):
+        self.num_processes = 1
+
+
+@pytest.mark.parametrize(("platform", "flagged"), [("tpu", True), ("cpu", False), ("cuda", False)])
+def test_a_small_batch_is_judged_by_the_platform_the_runtime_reports(platform, flagged):
+    diag = RunDiagnostics(_Runtime(platform), _Strategy(), per_device_batch=8, strict=False)
     diag.end_epoch(1)
     assert ("small-batch" in {f.code for f in diag.findings()}) is flagged
 
 
-def test_the_native_backend_reports_its_platform_and_planned_reads():
+def test_the_native_runtime_reports_its_platform_and_planned_reads():
     import torch
 
-    from xlatrain.backend.native import NativeBackend
+    from xlatrain.backend.native import NativeRuntime
 
-    be = NativeBackend("cpu")
+    be = NativeRuntime("cpu")
     assert be.platform == "cpu" and be.planned_reads == 0
     be.defer(lambda t: None, [torch.ones(2)])
     be.read([torch.ones(2)])

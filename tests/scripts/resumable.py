@@ -1,6 +1,6 @@
 """A small run that checkpoints often, for preemption and kill tests.
 
-Usage: python resumable.py RUN_DIR EPOCHS EVERY_STEPS STEP_SLEEP_S [accelerator] [devices]
+Usage: python resumable.py RUN_DIR EPOCHS EVERY_STEPS STEP_SLEEP_S [accelerator] [devices] [strategy]
 Prints HISTORY json at the end and saves the final weights to RUN_DIR/final.safetensors.
 While the file named by $XLATRAIN_TEST_GATE exists, reading a training item waits: a test holds
 the run inside a step for as long as it needs.
@@ -43,7 +43,8 @@ class Slow(Dataset):
 def main() -> None:
     run_dir, epochs, every, sleep_s = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
     accelerator = sys.argv[5] if len(sys.argv) > 5 else "cpu"
-    devices = int(sys.argv[6]) if len(sys.argv) > 6 else None
+    devices = int(sys.argv[6]) if len(sys.argv) > 6 and sys.argv[6] != "-" else None
+    strategy = sys.argv[7] if len(sys.argv) > 7 else "auto"
     torch.manual_seed(0)
     # Dropout makes the result depend on the restored RNG state; width makes saves take a while.
     model = nn.Sequential(nn.Linear(16, 512), nn.ReLU(), nn.Dropout(0.2), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 2))
@@ -54,11 +55,11 @@ def main() -> None:
         scheduler_fn=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=1, gamma=0.7),
         config=xlatrain.TrainConfig(epochs=epochs, batch_size=8, log_every=1, run_dir=run_dir),
         checkpoint=xlatrain.CheckpointConfig(every_steps=every, keep_last=2),
-        backend=xlatrain.BackendConfig(accelerator=accelerator, devices=devices),
+        backend=xlatrain.BackendConfig(accelerator=accelerator, devices=devices, strategy=strategy),
     )
     history = trainer.fit(Slow(96, 1, sleep_s), Slow(20, 2, 0.0))
+    trainer.save_weights(f"{run_dir}/final.safetensors")  # every process: a sharded model is gathered
     if trainer.backend.is_main:
-        xlatrain.save_weights(trainer.backend.unwrap(trainer.model), f"{run_dir}/final.safetensors", read=trainer.backend.read)
         print("HISTORY " + json.dumps(history), flush=True)
 
 

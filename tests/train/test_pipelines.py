@@ -262,8 +262,8 @@ def test_save_best_false_writes_no_best_weights(tmp_path):
 def test_accelerator_and_devices_on_the_trainer_match_the_yaml_spelling(tmp_path):
     trainer = Trainer(nn.Linear(4, 2), nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1),
                       accelerator="cpu", devices=1, config=TrainConfig(run_dir=str(tmp_path)))
-    assert trainer.backend.name == "cpu" and trainer.backend.world_size == 1
-    with pytest.raises(ValueError, match=r"backend='cpu' and accelerator=/devices= both say where to run"):
+    assert trainer.runtime.kind == "cpu" and trainer.strategy.world_size == 1
+    with pytest.raises(ValueError, match=r"backend='cpu' and accelerator=/devices=/strategy= both say where to run"):
         Trainer(nn.Linear(4, 2), nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1),
                 backend="cpu", accelerator="cpu")
     with pytest.raises(ValueError, match=r"devices=2 with accelerator='cpu' means 2 processes.*torchrun --nproc-per-node 2"):

@@ -6,6 +6,7 @@ import math
 import logging
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -113,39 +114,74 @@ def test_one_signal_stops_after_the_step_and_a_second_exits_at_once(tmp_path):
     assert find_resumable(tmp_path / "two" / "checkpoints") is not None
 
 
-def _kill_one(run_dir, every, delay, at_save):
-    proc = _start(run_dir, epochs=1, every=every, sleep_s=0.002)
-    _wait_for_line(proc, "step 1/12")
+def _kill_job(proc):
+    """SIGKILL to the process and everything it started, as when a machine goes away (torchrun
+    starts each worker in a session of its own, out of reach of a process-group kill)."""
+    import psutil
+
+    try:
+        job = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for p in job:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def _kill_one(run_dir, every, delay, at_save, extra=(), launcher=(sys.executable,), total=12):
+    proc = subprocess.Popen(
+        [*launcher, RESUMABLE, str(run_dir), "1", str(every), "0.002", *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), stdin=subprocess.DEVNULL,
+    )
+    _wait_for_line(proc, f"step 1/{total}")
     if at_save:  # aim at a save after the first one: wait until it is under way, cut it at random
         root, deadline = run_dir / "checkpoints", time.monotonic() + 20
         while time.monotonic() < deadline and not (list_checkpoints(root) and any(root.glob(".tmp-*/*"))):
             time.sleep(0.0005)
     time.sleep(delay)
-    proc.kill()  # SIGKILL: no handler runs, a save may be cut anywhere
+    _kill_job(proc)  # no handler runs, a save may be cut anywhere, on every process
     rest, _ = proc.communicate(timeout=30)
-    printed = [int(line.split("step ")[1].split("/")[0]) for line in rest.splitlines() if "/12" in line]
+    printed = [int(line.split("step ")[1].split("/")[0]) for line in rest.splitlines() if f"/{total}" in line]
     mid_save = any((run_dir / "checkpoints").glob(".tmp-*"))
     found = find_resumable(run_dir / "checkpoints")
     saved = found[2]["cursor"]["global_step"] if found else 0
     return max(printed, default=1) - saved, found is not None, mid_save
 
 
-def test_kill_9_during_saves_never_loses_a_loadable_checkpoint(tmp_path):
-    """Trials run two at a time (one per core); `make stress` runs 200."""
+KILL_LAYOUTS = {
+    # (default trials, arguments after resumable.py's first four, launcher, steps per epoch shown)
+    "whole": (20, (), (sys.executable,), 12),
+    # FSDP in one process: every save is a sharded one (torch.distributed.checkpoint + commit).
+    "sharded": (10, ("cpu", "-", "fsdp"), (sys.executable,), 12),
+    # Two processes writing their parts of each save, killed together.
+    "sharded, 2 processes": (4, ("cpu", "2", "fsdp"), ("torchrun", "--nproc-per-node", "2", "--standalone"), 6),
+}
+
+
+@pytest.mark.parametrize("layout", list(KILL_LAYOUTS))
+def test_kill_9_during_saves_never_loses_a_loadable_checkpoint(tmp_path, layout):
+    """Trials run two at a time (one per core); `make stress` runs 200 of each layout."""
     from concurrent.futures import ThreadPoolExecutor
 
-    trials = int(os.environ.get("XLATRAIN_KILL_TRIALS", "20"))
+    default, extra, launcher, total = KILL_LAYOUTS[layout]
+    if launcher[0] == "torchrun":
+        launcher = (shutil.which("torchrun", path=str(Path(sys.executable).parent)), *launcher[1:])
+    trials = int(os.environ.get("XLATRAIN_KILL_TRIALS", default))
     every = 2
     rng = random.Random(1234)
     # Odd trials are cut a few milliseconds into a save, even ones anywhere in the run.
     delays = [rng.uniform(0.0, 0.004) if i % 2 else rng.uniform(0.0, 0.4) for i in range(trials)]
-    with ThreadPoolExecutor(2) as pool:
-        results = list(
-            pool.map(lambda i: _kill_one(tmp_path / f"trial{i}", every, delays[i], i % 2 == 1), range(trials))
-        )
+    parallel = 1 if len(launcher) > 1 else 2  # two torchrun jobs would put 4 processes on 2 cores
+    with ThreadPoolExecutor(parallel) as pool:
+        results = list(pool.map(
+            lambda i: _kill_one(tmp_path / f"trial{i}", every, delays[i], i % 2 == 1, extra, launcher, total),
+            range(trials),
+        ))
     lost = [r[0] for r in results]
     mid_save = sum(r[2] for r in results)
-    print(f"kill -9 trials: {trials}, killed mid-save: {mid_save}, "
+    print(f"kill -9 trials ({layout}): {trials}, killed mid-save: {mid_save}, "
           f"resumable: {sum(r[1] for r in results)}, steps lost: max {max(lost)}, mean {sum(lost) / trials:.2f}")
     # A kill can land after step k was trained and printed but before its save finished, so up
     # to `every` steps may be lost; more would mean a checkpoint was lost or unreadable.

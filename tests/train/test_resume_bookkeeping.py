@@ -91,7 +91,7 @@ def test_a_finished_run_says_there_is_nothing_to_train(tmp_path, caplog):
 @pytest.mark.parametrize(
     ("change", "named"),
     [
-        ({"batch_size": 8}, r"trainer\.batch_size 4 -> 8"),
+        ({"batch_size": 8}, r"run\.global_batch 4 -> 8"),
         ({"seed": 1}, r"trainer\.seed 0 -> 1"),
         ({"grad_accum_steps": 2}, r"trainer\.grad_accum_steps 1 -> 2"),
     ],

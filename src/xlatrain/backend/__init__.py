@@ -1,4 +1,10 @@
-"""Pick the hardware: ``select_backend("auto"|"tpu"|"xla"|"cuda"|"cpu", devices=..., tpu_runtime=...)``."""
+"""Pick the hardware and the distribution: ``select_backend(accelerator, devices=..., strategy=...)``.
+
+A :class:`~xlatrain.backend.base.Backend` is a Runtime (what the device is: ``native.py`` for
+CPU, CUDA and TorchTPU, ``xla.py`` for torch_xla) and a Strategy (how the model is spread:
+``single.py``, ``ddp.py``, ``fsdp.py`` on the native runtimes; ``spmd.py`` and
+``xla_processes.py`` on torch_xla). Each is one file implementing its protocol in ``base.py``.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +12,11 @@ import importlib.util
 from typing import TYPE_CHECKING, Any
 
 from xlatrain.backend.errors import BackendUnavailableError
-from xlatrain.config import ACCELERATORS, XLA_MODES, BackendConfig
+from xlatrain.config import ACCELERATORS, STRATEGIES, XLA_MODES, BackendConfig
 
 if TYPE_CHECKING:
     from xlatrain.backend.base import Backend
+    from xlatrain.backend.units import UnitPolicy
 
 __all__ = ["Backend", "BackendUnavailableError", "select_backend", "spawn"]
 
@@ -24,14 +31,21 @@ def select_backend(
     xla_mode: str = "spmd",
     compile_cache: bool = True,
     tpu_runtime: str = "auto",
+    strategy: str = "auto",
+    units: UnitPolicy = None,
+    activation_checkpointing: bool = False,
 ) -> Backend:
-    """Build the backend for ``accelerator``.
+    """Build the backend for ``accelerator`` spread by ``strategy``.
 
     ``auto`` takes a TPU when one can run (TorchTPU first, then torch_xla), else CUDA, else the
     CPU. ``tpu`` takes the runtime ``tpu_runtime`` names (``auto``: TorchTPU when it has a TPU
     device, else torch_xla with a TPU attached) or fails saying what each runtime found. ``xla``
     runs torch_xla on whatever PJRT device exists: on a host without a TPU that is XLA:CPU with
     ``devices`` virtual devices, to rehearse a TPU program.
+
+    ``strategy``: ``auto`` (data parallel over whatever was launched: DDP under torchrun, SPMD
+    over a ``data`` mesh on torch_xla, one device otherwise), ``single``, ``ddp`` or ``fsdp``
+    (torch's ``fully_shard`` on CPU/CUDA/TorchTPU; torch_xla's FSDPv2 over an ``fsdp`` mesh).
 
     Example:
         >>> select_backend("cpu").describe()
@@ -43,6 +57,8 @@ def select_backend(
         )
     if xla_mode not in XLA_MODES:
         raise ValueError(f"unknown xla_mode {xla_mode!r}: choose one of {', '.join(map(repr, XLA_MODES))}")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}: choose one of {', '.join(map(repr, STRATEGIES))}")
     from xlatrain.backend import runtimes
     from xlatrain.backend.hardware import settle_libtpu_without_tpu, torch_tpu_cache_env
 
@@ -54,8 +70,6 @@ def select_backend(
     torch_tpu_cache_env(compile_cache)  # read by TorchTPU at its first compilation
     import torch
 
-    from xlatrain.backend.native import NativeBackend
-
     runtime = None
     if accelerator in ("auto", "tpu"):
         found = runtimes.probe()
@@ -64,25 +78,88 @@ def select_backend(
             raise runtimes.unavailable(found)
     if accelerator == "auto" and runtime is None:
         accelerator = "cuda" if torch.cuda.is_available() else "cpu"
-    if runtime == "torch_tpu":
-        return NativeBackend("tpu", devices=devices)
-    if runtime == "torch_xla" or accelerator == "xla":
+    if runtime == "torch_xla" or (runtime is None and accelerator == "xla"):
         if not _xla_installed():
             raise BackendUnavailableError(
                 f"accelerator='xla' needs torch_xla, which is not installed: {runtimes.INSTALL_TORCH_XLA}"
             )
-        from xlatrain.backend.xla import XlaBackend
+        return _xla_backend(devices, xla_mode, runtime == "torch_xla", compile_cache, strategy, units,
+                            activation_checkpointing)
+    return _native_backend("tpu" if runtime == "torch_tpu" else accelerator, devices, strategy, units,
+                           activation_checkpointing)
 
-        return XlaBackend(
-            devices=devices, mode=xla_mode, require_tpu=runtime == "torch_xla", compile_cache=compile_cache
+
+def _native_backend(
+    device_type: str, devices: int | None, strategy: str, units: UnitPolicy, activation_checkpointing: bool
+) -> Backend:
+    from xlatrain.backend.base import Backend
+    from xlatrain.backend.native import NativeRuntime
+    from xlatrain.backend.processes import Processes, launched_world_size
+
+    world = launched_world_size()
+    if devices is not None and devices != world:
+        hint = (
+            f"launch it with `torchrun --nproc-per-node {devices} your_script.py`"
+            if devices > 1
+            else "leave devices unset under torchrun"
         )
-    return NativeBackend(accelerator, devices=devices)
+        raise ValueError(
+            f"devices={devices} with accelerator={device_type!r} means {devices} processes, one per "
+            f"device, but this job has {world}: {hint}"
+        )
+    if strategy == "single" and world > 1:
+        raise ValueError(
+            f"strategy='single' trains in one process, but this job has {world} processes: use strategy='ddp' "
+            "or 'fsdp' to spread the run over them, or start one process without torchrun"
+        )
+    runtime = NativeRuntime(device_type)
+    kind = "ddp" if strategy == "auto" and world > 1 else ("single" if strategy == "auto" else strategy)
+    processes = Processes(device_type, need_group=kind == "fsdp")
+    options = {"units": units, "activation_checkpointing": activation_checkpointing}
+    if kind == "single":
+        from xlatrain.backend.single import SingleDevice
+
+        return Backend(runtime, SingleDevice(runtime.device, processes, **options))
+    if kind == "ddp":
+        from xlatrain.backend.ddp import DDP
+
+        return Backend(runtime, DDP(runtime.device, processes, **options))
+    from xlatrain.backend.fsdp import FSDP
+
+    return Backend(runtime, FSDP(runtime.device, processes, **options))
+
+
+def _xla_backend(
+    devices: int | None, xla_mode: str, require_tpu: bool, compile_cache: bool, strategy: str, units: UnitPolicy,
+    activation_checkpointing: bool,
+) -> Backend:
+    from xlatrain.backend.base import Backend
+    from xlatrain.backend.xla import XlaRuntime
+
+    if xla_mode == "multiprocess" and strategy == "fsdp":
+        raise ValueError(
+            "strategy='fsdp' on torch_xla shards over an SPMD mesh, in one process per host: use "
+            "xla_mode='spmd' (the default), or strategy='ddp' with xla_mode='multiprocess'"
+        )
+    if strategy == "single" and devices not in (None, 1):
+        raise ValueError(f"strategy='single' trains on one device, but devices={devices}: use devices=1, or strategy='ddp'")
+    runtime = XlaRuntime(devices=1 if strategy == "single" else devices, spmd=xla_mode == "spmd",
+                         require_tpu=require_tpu, compile_cache=compile_cache)
+    if xla_mode == "multiprocess":
+        from xlatrain.backend.xla_processes import XlaProcesses
+
+        return Backend(runtime, XlaProcesses(runtime, activation_checkpointing=activation_checkpointing, units=units))
+    from xlatrain.backend.spmd import Spmd
+
+    return Backend(runtime, Spmd(runtime, axis="fsdp" if strategy == "fsdp" else "data", units=units,
+                                 activation_checkpointing=activation_checkpointing))
 
 
 def from_config(config: BackendConfig) -> Backend:
     return select_backend(
         config.accelerator, devices=config.devices, xla_mode=config.xla_mode, compile_cache=config.compile_cache,
-        tpu_runtime=config.tpu_runtime,
+        tpu_runtime=config.tpu_runtime, strategy=config.strategy, units=config.units,
+        activation_checkpointing=config.activation_checkpointing,
     )
 
 

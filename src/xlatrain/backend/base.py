@@ -1,10 +1,18 @@
-"""The Backend protocol: everything the Trainer needs from hardware and distribution.
+"""What the Trainer asks of hardware (a Runtime) and of distribution (a Strategy), and the pair.
 
 Terms used throughout:
 
-- *replica*: one data-parallel copy of the model; ``world_size`` replicas see disjoint data.
+- *replica*: one data-parallel part of the job; ``world_size`` replicas see disjoint data. Under
+  FSDP a replica holds a shard of the model, not all of it.
 - *process*: an OS process feeding one or more replicas. Under SPMD one process feeds every local
-  device (``devices_per_process`` > 1); under DDP or one-process-per-chip it feeds one.
+  device (``devices_per_process`` > 1); under DDP, FSDP or one-process-per-chip it feeds one.
+
+A **Runtime** is what a device is: where tensors live, how a step is launched and read back,
+random generators, compilation, the input feed, counters and memory figures. A **Strategy** is how
+the model and its state are spread over the devices: it prepares and unwraps the model, reduces
+gradients, clips them, runs collectives and says how the training state is saved and loaded.
+Precision lives in :mod:`xlatrain.backend.precision`. Nothing outside ``backend/`` branches on a
+runtime's or strategy's name: it asks these objects.
 """
 
 from __future__ import annotations
@@ -13,67 +21,39 @@ import base64
 import contextlib
 import random
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 
+from xlatrain.backend.precision import Precision
 
-class Backend(Protocol):
-    name: str  # "cpu", "cuda" or "xla"
+
+class Runtime(Protocol):
+    kind: str  # "cpu", "cuda", "tpu" (TorchTPU) or "xla" (torch_xla): the accelerator it answers to
     device: torch.device
-    world_size: int  # data-parallel replicas in the whole job
-    num_processes: int  # processes in the whole job, each with its own loader
-    process_index: int  # this process, 0 .. num_processes-1
-    devices_per_process: int  # replicas fed by one process (its loader batch = per-device * this)
     # What the device physically is: "cpu", "cuda" or "tpu". XLA on the host's CPU says "cpu",
-    # so a finding can hold for the hardware it ran on, not for the runtime's name.
+    # so a finding can hold for the hardware it ran on, not for the runtime.
     platform: str
+    trace_kind: str  # the profiler that traces it: "torch" (torch.profiler) or "xla" (torch_xla's)
+    autocast_device: str  # torch.autocast's device_type for this device
+    pin_memory: bool  # host batches pinned for asynchronous copies
     planned_reads: int  # host reads made so far through defer/read (diagnostics count the others)
-
-    @property
-    def is_main(self) -> bool:
-        """True in the one process that prints and writes files."""
-        ...
+    # The runtime's compile/transfer counters for diagnostics (torch_xla's metrics), or None.
+    evidence: Any
 
     def describe(self) -> str:
-        """One line for the console: runtime, device kind and count, distribution mode."""
+        """Runtime and device kind, for the run header."""
         ...
 
-    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Move the model to the device and wrap it for data parallelism (returns the wrapper)."""
+    def compile(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``model`` under this device's ``torch.compile`` backend (a ValueError where it has none)."""
         ...
 
-    def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The user's module inside whatever prepare_model wrapped it in."""
-        ...
-
-    def wrap_loader(self, loader: Iterable[Any]) -> Iterable[Any]:
-        """Batches on the device, prefetched, sharded over replicas where the runtime shards."""
-        ...
-
-    def autocast(self, precision: str) -> contextlib.AbstractContextManager[Any]:
-        """Mixed-precision context for forward + loss (``"32"``: no-op)."""
-        ...
-
-    def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:
-        """Skip gradient all-reduce for a micro-batch that is not the last of an accumulation."""
-        ...
-
-    def reduce_gradients(self, optimizer: torch.optim.Optimizer) -> None:
-        """All-reduce gradients where the runtime does not already do it (one process per chip)."""
-        ...
-
-    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum of ``tensor`` over processes (identity when one process holds the whole batch)."""
-        ...
-
-    def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Mean over replicas of a per-replica value (identity where it is already global)."""
-        ...
-
-    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Concatenate ``tensor`` along dim 0 over processes, in process order."""
+    def wrap_loader(self, loader: Iterable[Any], sharding: Any = None) -> Iterable[Any]:
+        """Batches on the device, prefetched; ``sharding`` is the strategy's input sharding."""
         ...
 
     def step_begin(self, seed: int) -> None:
@@ -82,12 +62,12 @@ class Backend(Protocol):
         XLA keeps its generator state inside the compiled program, where a checkpoint cannot
         capture it mid-epoch; re-seeding it from (run seed, epoch, step) makes dropout masks a
         function of the position, so a resumed run draws exactly what an uninterrupted one did.
-        Eager backends restore their generators from the checkpoint instead (no-op here).
+        Eager runtimes restore their generators from the checkpoint instead (no-op there).
         """
         ...
 
     def step_end(self) -> None:
-        """Mark the end of one optimizer step (XLA: cut and launch the graph; no wait)."""
+        """Mark the end of one step (XLA: cut and launch the graph; no wait)."""
         ...
 
     def defer(self, fn: Callable[..., None], tensors: Sequence[torch.Tensor]) -> None:
@@ -98,8 +78,8 @@ class Backend(Protocol):
         """Host copies of ``tensors`` now: a planned sync (epoch end, checkpoint)."""
         ...
 
-    def barrier(self) -> None:
-        """Wait for every process."""
+    def planned_transfers(self) -> contextlib.AbstractContextManager[None]:
+        """Count the device reads made inside as planned ones (a sharded checkpoint's reads)."""
         ...
 
     def runtime_stats(self) -> dict[str, float]:
@@ -117,6 +97,73 @@ class Backend(Protocol):
     def set_rng_state(self, state: dict[str, Any]) -> None:
         ...
 
+
+class Strategy(Protocol):
+    name: str  # "single", "ddp", "fsdp", "spmd-data", "spmd-fsdp", "xla-processes"
+    world_size: int  # data-parallel replicas in the whole job
+    num_processes: int  # processes in the whole job, each with its own loader
+    process_index: int  # this process, 0 .. num_processes-1
+    devices_per_process: int  # replicas fed by one process (its loader batch = per-device * this)
+    # True: each process holds part of the training state and writes its own part of a checkpoint
+    # (torch.distributed.checkpoint); False: every process holds all of it and the main one
+    # writes it whole.
+    sharded_state: bool
+    input_sharding: Any  # handed to Runtime.wrap_loader (SPMD: the batch's layout on the mesh)
+    mesh: Any  # the device mesh the model is spread over, or None
+
+    @property
+    def is_main(self) -> bool:
+        """True in the one process that prints and writes files."""
+        ...
+
+    def describe(self) -> str:
+        ...
+
+    def prepare_model(
+        self, model: torch.nn.Module, precision: Precision, init_weights: Callable[[torch.nn.Module], None] | None = None
+    ) -> torch.nn.Module:
+        """Place and spread the model (returns what the training step calls). A model built on the
+        ``meta`` device gets storage on the device and ``init_weights(model)`` (default: each
+        submodule's ``reset_parameters()``)."""
+        ...
+
+    def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The user's module inside whatever prepare_model wrapped it in."""
+        ...
+
+    def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:
+        """Skip gradient reduction for a micro-batch that is not the last of an accumulation."""
+        ...
+
+    def reduce_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """Reduce gradients where nothing else already does (one process per XLA chip)."""
+        ...
+
+    def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+        """Clip to ``max_norm`` the norm over every gradient of the model, however sharded; returns
+        that norm as a plain tensor on the device."""
+        ...
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, finite: torch.Tensor | None) -> None:
+        """``optimizer.step()``; with ``finite`` given, a step that leaves parameters and state as
+        they were when it is false, decided on the device."""
+        ...
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum of ``tensor`` over processes (identity when one process holds the whole batch)."""
+        ...
+
+    def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Mean over replicas of a per-replica value (identity where it is already global)."""
+        ...
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Concatenate ``tensor`` along dim 0 over processes, in process order."""
+        ...
+
+    def barrier(self) -> None:
+        ...
+
     def gather_objects(self, obj: Any) -> list[Any]:
         """``obj`` from every process, in process order (small JSON-able values only)."""
         ...
@@ -124,6 +171,73 @@ class Backend(Protocol):
     def any_process(self, flag: bool) -> bool:
         """True on every process if ``flag`` is true on any (host-side; no device sync)."""
         ...
+
+    def model_shapes(self, model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+        """Every distinct weight's full (unsharded) shape, by name."""
+        ...
+
+    def whole_weights(
+        self, model: torch.nn.Module, read: Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]
+    ) -> tuple[dict[str, torch.Tensor], dict[str, str]] | None:
+        """The model's full weights on the host in the main process (``None`` elsewhere), and
+        ``{alias: kept name}`` for tied weights. Gathers a sharded model onto the main process."""
+        ...
+
+    def load_whole(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, weights: dict[str, torch.Tensor],
+        optim_state: dict[str, Any],
+    ) -> None:
+        """Load whole weights (by name) and an optimizer ``state_dict``, as a replicated run saved them."""
+        ...
+
+    def save_sharded(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Every process writes its part of the model and optimizer state into ``path`` (a
+        collective); returns the state's JSON part. Only where ``sharded_state``."""
+        ...
+
+    def load_sharded(
+        self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any]
+    ) -> None:
+        """Load a state that a sharded strategy saved, under any process layout (a collective)."""
+        ...
+
+    def state_bytes(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        """Bytes this device holds of ``parameters``, ``gradients`` and ``optimizer`` state."""
+        ...
+
+
+@dataclass(frozen=True)
+class Backend:
+    """Where a run executes: its :class:`Runtime` and its :class:`Strategy`.
+
+    Example:
+        >>> backend = select_backend("cpu")
+        >>> backend.runtime.device, backend.strategy.world_size
+        (device(type='cpu'), 1)
+    """
+
+    runtime: Runtime
+    strategy: Strategy
+
+    # The facts a training script asks for most, read from the two parts.
+    @property
+    def device(self) -> torch.device:
+        return self.runtime.device
+
+    @property
+    def world_size(self) -> int:
+        return self.strategy.world_size
+
+    @property
+    def process_index(self) -> int:
+        return self.strategy.process_index
+
+    @property
+    def is_main(self) -> bool:
+        return self.strategy.is_main
+
+    def describe(self) -> str:
+        return f"{self.runtime.describe()}, {self.strategy.describe()}"
 
 
 def _b64(t: torch.Tensor) -> str:
@@ -152,3 +266,8 @@ def set_host_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(_unb64(state["torch"]))
 
+
+def seed_host(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # also seeds every CUDA device

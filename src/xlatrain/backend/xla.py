@@ -1,12 +1,9 @@
-"""torch_xla: TPUs, and XLA:CPU to rehearse a TPU program without one.
+"""torch_xla's runtime: TPUs, and XLA:CPU to rehearse a TPU program without one.
 
-Two ways to run data parallel:
-
-- ``spmd`` (default): one process per host drives every local device. Parameters are replicated,
-  each batch is sharded along dim 0 over a one-axis ``data`` mesh, and the XLA compiler inserts
-  the gradient all-reduce. The loader yields the per-host batch (per-device batch × local devices).
-- ``multiprocess``: one process per chip, started by :func:`spawn` (``xmp.spawn`` underneath);
-  each process feeds one device and gradients are all-reduced with ``xm.reduce_gradients``.
+Lazy tensors traced into one graph per step, cut at each step's end; host reads through step
+closures; batches sharded onto the devices by torch_xla's loader threads. How the model is spread
+is a strategy's business: ``spmd.py`` (one process per host over a ``data`` or ``fsdp`` mesh, the
+default) or ``xla_processes.py`` (one process per chip, started by :func:`spawn`).
 
 torch_xla is imported only inside this module's functions, so ``import xlatrain`` works without it.
 """
@@ -16,16 +13,14 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
-import random
 import sys
 from collections.abc import Callable, Iterable, Iterator, MutableMapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from xlatrain.backend.base import host_rng_state, set_host_rng_state
+from xlatrain.backend.base import host_rng_state, seed_host, set_host_rng_state
 from xlatrain.backend.errors import BackendUnavailableError
 from xlatrain.backend.hardware import default_cache_dir, find_tpu_chips
 
@@ -91,14 +86,23 @@ def spawn(fn: Callable[..., Any], args: tuple[Any, ...] = (), devices: int | Non
     xmp.spawn(fn, args=args)
 
 
-class XlaBackend:
-    name = "xla"
+class XlaRuntime:
+    """torch_xla's lazy tensors on a TPU, or on XLA:CPU to rehearse a TPU program.
+
+    Args:
+        devices: devices expected (virtual XLA:CPU devices to create without a TPU).
+        spmd: one process drives every local device through SPMD meshes (the strategies in
+            ``spmd.py``); otherwise one process per device (``xla_processes.py``).
+    """
+
+    kind = "xla"
+    trace_kind = "xla"
+    autocast_device = "xla"
+    pin_memory = False
 
     def __init__(
-        self, devices: int | None = None, mode: str = "spmd", require_tpu: bool = False, compile_cache: bool = True
+        self, devices: int | None = None, spmd: bool = True, require_tpu: bool = False, compile_cache: bool = True
     ) -> None:
-        if mode not in ("spmd", "multiprocess"):
-            raise ValueError(f"xla_mode={mode!r} is not valid: choose 'spmd' or 'multiprocess'")
         if require_tpu and not tpu_present():
             raise BackendUnavailableError(
                 "accelerator='tpu' was asked for but this host has no TPU (no Google TPU device on "
@@ -110,115 +114,36 @@ class XlaBackend:
         import torch_xla
         import torch_xla.runtime as xr
 
-        self.compile_cache_dir = _start_compile_cache(mode) if compile_cache else None
-        self.mode = mode
-        if mode == "spmd":
-            import torch_xla.distributed.spmd as xs
+        from xlatrain.diagnostics import xla_metrics
 
-            xr.use_spmd()
-            found = xr.global_runtime_device_count()
-            self._check_count(devices, found)
-            self._mesh = xs.Mesh(np.arange(found), (found,), ("data",))
-            self.world_size = found
-            self.num_processes = xr.process_count()
-            self.process_index = xr.process_index()
-            self.devices_per_process = xr.addressable_runtime_device_count()
+        self.compile_cache_dir = _start_compile_cache(spmd) if compile_cache else None
+        self.spmd = spmd
+        if spmd:
+            xr.use_spmd()  # before any tensor exists on the device
+            self.num_devices = xr.global_runtime_device_count()
         else:
-            self._mesh = None
-            self.world_size = xr.world_size()
-            self._check_count(devices, self.world_size)
-            self.num_processes = self.world_size
-            self.process_index = xr.global_ordinal()
-            self.devices_per_process = 1
+            self.num_devices = xr.world_size()
+        _check_count(devices, self.num_devices)
         self.device = torch_xla.device()
         self._device_type = xr.device_type() or "CPU"
         self.planned_reads = 0  # host reads made through defer/read
+        self._counting = False  # inside planned_transfers, which counts the reads itself
         # XLA:CPU is this host's CPU: diagnostics judge it as a CPU, not as an accelerator.
         kind = self._device_type.upper()
         self.platform = {"TPU": "tpu", "CUDA": "cuda", "GPU": "cuda"}.get(kind, kind.lower())
-
-    def _check_count(self, asked: int | None, found: int) -> None:
-        if asked is not None and asked != found:
-            raise ValueError(
-                f"devices={asked} but the XLA runtime already runs with {found} "
-                f"{os.environ.get('PJRT_DEVICE', 'XLA')} device(s); this process cannot change it. "
-                f"Use devices={found} or None, or start a new process (on XLA:CPU, set "
-                f"CPU_NUM_DEVICES={asked} before torch_xla starts)."
-            )
-
-    @property
-    def is_main(self) -> bool:
-        return self.process_index == 0
+        self.evidence = xla_metrics  # compilations, transfers, fallbacks: read by diagnostics
 
     def describe(self) -> str:
-        how = "SPMD over a 'data' mesh" if self.mode == "spmd" else "one process per device"
-        return f"xla ({self._device_type}, {self.world_size} device(s)), {how}"
+        return f"xla ({self._device_type}, {self.num_devices} device(s))"
 
-    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        # Moving to an XLA device makes a new Parameter per name, so a weight reachable under two
-        # names (tied embeddings) would become two; record the ties and restore them after.
-        ties: dict[int, tuple[torch.nn.Module, str]] = {}
-        aliases: list[tuple[torch.nn.Module, str, torch.nn.Module, str]] = []
-        for module in model.modules():
-            for name, param in module.named_parameters(recurse=False):
-                first = ties.setdefault(id(param), (module, name))
-                if first != (module, name):
-                    aliases.append((module, name, *first))
-        model = model.to(self.device)  # no sharding annotation under SPMD: replicated
-        for module, name, owner, owner_name in aliases:
-            setattr(module, name, getattr(owner, owner_name))
-        return model
+    def compile(self, model: torch.nn.Module) -> torch.nn.Module:
+        raise ValueError(
+            "compile=True runs the model under torch.compile on CPU, CUDA and TorchTPU; torch_xla "
+            "already compiles every step (lazy tensors): leave compile off with accelerator='xla'"
+        )
 
-    def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        return model
-
-    def wrap_loader(self, loader: Iterable[Any]) -> Iterable[Any]:
-        sharding = None if self._mesh is None else _BatchSharding(self._mesh, minibatch=self.num_processes > 1)
+    def wrap_loader(self, loader: Iterable[Any], sharding: Any = None) -> Iterable[Any]:
         return _DeviceLoader(loader, self.device, sharding)
-
-    def autocast(self, precision: str) -> contextlib.AbstractContextManager[Any]:
-        if precision == "bf16":
-            return torch.autocast("xla", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
-
-    def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:
-        return contextlib.nullcontext()  # gradients are reduced explicitly or by the compiler
-
-    def reduce_gradients(self, optimizer: torch.optim.Optimizer) -> None:
-        if self.mode == "multiprocess" and self.world_size > 1:
-            import torch_xla.core.xla_model as xm
-
-            xm.reduce_gradients(optimizer)
-
-    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.mode == "spmd" or self.world_size == 1:
-            return tensor  # one process holds the global value
-        import torch_xla.core.xla_model as xm
-
-        return xm.all_reduce(xm.REDUCE_SUM, tensor)
-
-    def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.mode == "spmd" or self.world_size == 1:
-            return tensor  # a loss over the sharded global batch is already the global mean
-        import torch_xla.core.xla_model as xm
-
-        return xm.all_reduce(xm.REDUCE_SUM, tensor, scale=1.0 / self.world_size)
-
-    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.mode == "spmd":
-            import torch_xla.distributed.spmd as xs
-
-            # Replicate inside the step's graph: reading a batch-sharded tensor on the host would
-            # otherwise compile a fresh gather program for every tensor read.
-            # A fresh op (a clone would inherit the batch sharding annotation) marked replicated.
-            whole = tensor + 0 if tensor.dtype != torch.bool else tensor.logical_not().logical_not()
-            xs.mark_sharding(whole, self._mesh, (None,) * whole.dim())
-            return whole
-        if self.world_size == 1:
-            return tensor
-        import torch_xla.core.xla_model as xm
-
-        return xm.all_gather(tensor, dim=0)
 
     def step_begin(self, seed: int) -> None:
         import torch_xla.core.xla_model as xm
@@ -240,19 +165,29 @@ class XlaBackend:
 
     def read(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         import torch_xla
-
         import torch_xla.core.xla_model as xm
 
         torch_xla.sync()
-        self.planned_reads += bool(tensors)
+        self.planned_reads += bool(tensors) and not self._counting
         # One transfer for the whole list (what xm.save uses), not one per tensor.
         return list(xm._maybe_convert_to_cpu(list(tensors))) if tensors else []
 
-    def barrier(self) -> None:
-        if self.num_processes > 1:
-            import torch_xla.core.xla_model as xm
+    @contextlib.contextmanager
+    def planned_transfers(self) -> Iterator[None]:
+        """Count every device-to-host transfer inside as planned (a sharded checkpoint reads
+        each shard separately)."""
+        import torch_xla.debug.metrics as met
 
-            xm.rendezvous("xlatrain.barrier")
+        def count() -> int:
+            data = met.metric_data("TransferFromDeviceTime")
+            return int(data[0]) if data else 0
+
+        before, self._counting = count(), True
+        try:
+            yield
+        finally:
+            self._counting = False
+            self.planned_reads += count() - before
 
     def runtime_stats(self) -> dict[str, float]:
         import torch_xla.debug.metrics as met
@@ -272,9 +207,7 @@ class XlaBackend:
     def seed_everything(self, seed: int) -> None:
         import torch_xla.core.xla_model as xm
 
-        random.seed(seed)
-        np.random.seed(seed % 2**32)
-        torch.manual_seed(seed)
+        seed_host(seed)
         xm.set_rng_state(seed)
 
     def rng_state(self) -> dict[str, Any]:
@@ -289,22 +222,18 @@ class XlaBackend:
         if "xla" in state:
             xm.set_rng_state(state["xla"])
 
-    def gather_objects(self, obj: Any) -> list[Any]:
-        if self.num_processes == 1:
-            return [obj]
-        import json
 
-        import torch_xla.core.xla_model as xm
-
-        # JSON over torch_xla's rendezvous: nothing received from another process is unpickled.
-        payloads = xm.rendezvous("xlatrain.gather", json.dumps(obj).encode())
-        return [json.loads(p) for p in payloads]
-
-    def any_process(self, flag: bool) -> bool:
-        return any(self.gather_objects(bool(flag)))
+def _check_count(asked: int | None, found: int) -> None:
+    if asked is not None and asked != found:
+        raise ValueError(
+            f"devices={asked} but the XLA runtime already runs with {found} "
+            f"{os.environ.get('PJRT_DEVICE', 'XLA')} device(s); this process cannot change it. "
+            f"Use devices={found} or None, or start a new process (on XLA:CPU, set "
+            f"CPU_NUM_DEVICES={asked} before torch_xla starts)."
+        )
 
 
-def _start_compile_cache(mode: str) -> str | None:
+def _start_compile_cache(spmd: bool) -> str | None:
     """torch_xla's persistent compilation cache, so a second identical run skips compiling.
 
     Must start before the first computation; a process that already compiled keeps running
@@ -319,7 +248,7 @@ def _start_compile_cache(mode: str) -> str | None:
     path = default_cache_dir()
     path.mkdir(parents=True, exist_ok=True)
     # One writer per host: the other processes of a one-process-per-chip job only read.
-    xr.initialize_cache(str(path), readonly=mode == "multiprocess" and xr.local_ordinal() != 0)
+    xr.initialize_cache(str(path), readonly=not spmd and xr.local_ordinal() != 0)
     return str(path)
 
 
@@ -328,16 +257,17 @@ def _start_compile_cache(mode: str) -> str | None:
 _NO_LOADER_SYNC = 2**62
 
 
-class _BatchSharding:
-    """Dim 0 of every batch tensor over the mesh's ``data`` axis, whatever the tensor's rank.
+class BatchSharding:
+    """Dim 0 of every batch tensor over the mesh's ``axis``, whatever the tensor's rank.
 
     Duck-types the one ``ShardingSpec`` torch_xla's loader accepts for all tensors
     (``xla_spec(t)`` per tensor, and ``minibatch``), so a whole batch structure travels as is:
     a single spec would fit only tensors of its own rank, a dict of specs only dict batches.
     """
 
-    def __init__(self, mesh: Any, minibatch: bool) -> None:
+    def __init__(self, mesh: Any, axis: str, minibatch: bool) -> None:
         self.mesh = mesh
+        self.axis = axis
         self.minibatch = minibatch
         self._by_rank: dict[int, Any] = {}
 
@@ -348,7 +278,7 @@ class _BatchSharding:
         if spec is None:
             import torch_xla.distributed.spmd as xs
 
-            partition = ("data",) + (None,) * (t.dim() - 1)
+            partition = (self.axis,) + (None,) * (t.dim() - 1)
             spec = self._by_rank[t.dim()] = xs.ShardingSpec(self.mesh, partition, minibatch=self.minibatch)
         return spec.xla_spec(t)
 
@@ -362,7 +292,7 @@ class _DeviceLoader:
     step N+1 while the device runs step N. Batches keep their structure (tuples stay tuples).
     """
 
-    def __init__(self, loader: Iterable[Any], device: torch.device, sharding: _BatchSharding | None) -> None:
+    def __init__(self, loader: Iterable[Any], device: torch.device, sharding: BatchSharding | None) -> None:
         self._loader = loader
         self._device = device
         self._sharding = sharding

@@ -22,10 +22,10 @@ process traces.
 
 Example (what ``Trainer.fit`` does with ``TrainConfig(profile_steps=(20, 30))``)::
 
-    trace = StepTrace(run_dir, (20, 30), backend_name=backend.name, is_main=backend.is_main)
+    trace = StepTrace(run_dir, (20, 30), trace_kind=runtime.trace_kind, is_main=strategy.is_main)
     for n, batch in enumerate(batches, start=1):  # n: the step's number in the whole run
         trace.before_step(n)
-        ...  # forward, backward, optimizer step, backend.step_end()
+        ...  # forward, backward, optimizer step, runtime.step_end()
         trace.after_step(n, input_wait_s=seconds_spent_waiting_for_batch)
     summary = trace.close()  # None when no step of the window ran here
 """
@@ -96,11 +96,12 @@ class StepTrace:
     Args:
         run_dir: the run's directory; the trace and summary go to its ``profile/``.
         steps: ``(start, stop)``, see :func:`check_profile_steps`.
-        backend_name: ``backend.name``: ``"xla"`` traces with torch_xla's profiler, anything
-            else (``"cpu"``, ``"cuda"``, ``"tpu"``) with ``torch.profiler``.
-        is_main: ``backend.is_main``; other processes trace nothing.
-        platform: ``backend.platform`` (``"cpu"``, ``"cuda"``, ``"tpu"``), to say in the
-            summary when an input wait also holds compute (XLA on the host's CPU).
+        trace_kind: ``runtime.trace_kind``: ``"xla"`` traces with torch_xla's profiler,
+            ``"torch"`` with ``torch.profiler``.
+        is_main: ``strategy.is_main``; other processes trace nothing.
+        platform: ``runtime.platform`` (``"cpu"``, ``"cuda"``, ``"tpu"``): which device
+            activity torch.profiler records, and whether an input wait also holds compute (XLA
+            on the host's CPU).
     """
 
     def __init__(
@@ -108,14 +109,14 @@ class StepTrace:
         run_dir: str | os.PathLike[str],
         steps: Sequence[int],
         *,
-        backend_name: str,
+        trace_kind: str,
         is_main: bool,
-        platform: str | None = None,
+        platform: str = "cpu",
     ) -> None:
         self.start, self.stop = check_profile_steps(steps)
         self.out_dir = Path(run_dir) / "profile"
-        self._backend = backend_name
-        self._platform = platform or ("cpu" if backend_name == "cpu" else None)
+        self._xla = trace_kind == "xla"
+        self._platform = platform
         self._is_main = is_main
         self._state = "waiting" if is_main else "done"  # waiting -> tracing -> done
         self._session: Any = None
@@ -176,7 +177,7 @@ class StepTrace:
     def _begin(self) -> None:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         try:
-            if self._backend == "xla":
+            if self._xla:
                 self._begin_xla()
             else:
                 self._begin_torch()
@@ -191,9 +192,9 @@ class StepTrace:
         from torch.profiler import ProfilerActivity, profile, supported_activities
 
         activities = [ProfilerActivity.CPU]
-        if self._backend == "cuda":
+        if self._platform == "cuda":
             activities.append(ProfilerActivity.CUDA)
-        elif self._backend == "tpu" and ProfilerActivity.PrivateUse1 in supported_activities():
+        elif self._platform == "tpu" and ProfilerActivity.PrivateUse1 in supported_activities():
             activities.append(ProfilerActivity.PrivateUse1)  # TorchTPU's device, where it reports one
         # No shapes, memory or stacks: each costs host time per op and would stretch the steps.
         self._session = profile(activities=activities)
@@ -215,7 +216,7 @@ class StepTrace:
             raise
 
     def _open_span(self, step: int) -> None:
-        if self._backend == "xla":
+        if self._xla:
             import torch_xla
 
             # The runtime's TraceMe, as torch_xla's StepTrace uses it, without the IR scope
@@ -237,7 +238,7 @@ class StepTrace:
     def _end(self, *, complete: bool) -> None:
         self._window_s = time.perf_counter() - self._window_started
         self._state = "done"
-        if self._backend == "xla":
+        if self._xla:
             trace_path, events, transfers = self._end_xla()
         else:
             trace_path, events, transfers = self._end_torch()
@@ -262,7 +263,7 @@ class StepTrace:
         finally:
             tmp.unlink(missing_ok=True)
         events = _load_events(path)
-        return TRACE_FILE, events, _torch_transfers(events, self._backend)
+        return TRACE_FILE, events, _torch_transfers(events, self._platform)
 
     def _end_xla(self) -> tuple[str, list[dict[str, Any]], dict[str, Any]]:
         import torch_xla.core.xla_model as xm
@@ -301,13 +302,13 @@ class StepTrace:
         wait = sum(self._waits)
         # The first step's wait came before the window opened; the others fall inside it.
         traced = self._window_s + (self._waits[0] if self._waits else 0.0)
-        ops, source = _top_ops(events, self._backend)
+        ops, source = _top_ops(events, xla=self._xla)
         summary: dict[str, Any] = {
             "requested": [self.start, self.stop],
             "steps": [steps[0], steps[-1]] if steps else [self.start, self.start],
             "num_steps": len(steps),
             "complete": complete,
-            "backend": self._backend,
+            "backend": "xla" if self._xla else self._platform,
             "platform": self._platform,
             "trace": trace_path,
             "traced_s": round(traced, 6),
@@ -322,8 +323,8 @@ class StepTrace:
             "transfers": transfers,
         }
         summary["notes"] = self._notes(summary, complete)
-        if self._backend == "xla":
-            summary["top_instructions"] = _top_ops(events, self._backend, group=False)[0][:TOP_OPS]
+        if self._xla:
+            summary["top_instructions"] = _top_ops(events, xla=True, group=False)[0][:TOP_OPS]
         return summary
 
     def _notes(self, summary: dict[str, Any], complete: bool) -> list[str]:
@@ -337,7 +338,7 @@ class StepTrace:
                 "an epoch's end (evaluation, checkpoint) or a checkpoint every few steps fell inside the "
                 "window; trace steps within one epoch to see the steps alone"
             )
-        if self._backend == "xla":
+        if self._xla:
             notes.append(
                 "step time is host time (tracing and launching the graph); the device runs it "
                 "asynchronously, and its ops and their times are the HLO ops in the trace"
@@ -423,9 +424,9 @@ def _load_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return [e for e in events if isinstance(e, dict)]
 
 
-def _top_ops(events: list[dict[str, Any]], backend: str, *, group: bool = True) -> tuple[list[dict[str, Any]], str]:
+def _top_ops(events: list[dict[str, Any]], *, xla: bool, group: bool = True) -> tuple[list[dict[str, Any]], str]:
     """Ops by total self time, largest first, and what kind of op they are."""
-    if backend == "xla":
+    if xla:
         # Device work: the events that name an HLO instruction. Grouped by kind ("dot.16" and
         # "dot" are both dot); the trace keeps each instruction's own name.
         chosen = [e for e in events if e.get("ph") == "X" and "hlo_op" in (e.get("args") or {})]
@@ -478,7 +479,7 @@ def _self_times(events: Iterable[dict[str, Any]]) -> Iterable[tuple[dict[str, An
         yield from ((e, max(t, 0.0)) for e, t in zip(thread, own))
 
 
-def _torch_transfers(events: list[dict[str, Any]], backend: str) -> dict[str, Any]:
+def _torch_transfers(events: list[dict[str, Any]], platform: str) -> dict[str, Any]:
     counts = {"to_device": 0, "to_device_bytes": 0, "from_device": 0, "from_device_bytes": 0, "device_to_device": 0}
     for e in events:
         if e.get("cat") != _MEMCPY:
@@ -493,7 +494,7 @@ def _torch_transfers(events: list[dict[str, Any]], backend: str) -> dict[str, An
         else:
             counts["device_to_device"] += 1
     counts["scalar_reads"] = sum(1 for e in events if e.get("cat") == _CPU_OP and e.get("name") == _SCALAR_READ)
-    counts["source"] = "none: the CPU is the device" if backend == "cpu" else "the trace's memcpy events"
+    counts["source"] = "none: the CPU is the device" if platform == "cpu" else "the trace's memcpy events"
     return counts
 
 

@@ -112,14 +112,16 @@ class RunDiagnostics:
     """Collects evidence during ``Trainer.fit``; ``finish`` turns it into findings and notes."""
 
     def __init__(
-        self, backend: Any, *, per_device_batch: int, strict: bool, grad_accum_steps: int = 1,
+        self, runtime: Any, strategy: Any, *, per_device_batch: int, strict: bool, grad_accum_steps: int = 1,
         compile_watch: Any = None,
     ) -> None:
-        self._backend = backend
+        self._runtime = runtime  # planned reads are counted by the runtime
         self._compile = compile_watch  # a started diagnostics.compile.CompileWatch under torch.compile
         self._accum = grad_accum_steps
-        self._xla = backend.name == "xla"
-        self._platform = backend.platform
+        # The runtime's compile/transfer counters (torch_xla's metrics), where it keeps any.
+        self._evidence = runtime.evidence
+        self._xla = self._evidence is not None
+        self._platform = runtime.platform
         self._strict = strict
         self._per_device_batch = per_device_batch
         self._phases: dict[str, _Phase] = {}
@@ -129,7 +131,7 @@ class RunDiagnostics:
         self._epochs: list[dict[str, Any]] = []
         self._snap = self._snapshot()
         self._first = self._snap
-        self._planned = backend.planned_reads
+        self._planned = runtime.planned_reads
         self._wait_mark = 0.0
         self._epoch = 0  # the epoch being trained (evaluation belongs to it)
         self._first_epoch: int | None = None  # the first epoch of this fit (later when resumed)
@@ -143,44 +145,34 @@ class RunDiagnostics:
         # only this process writes: (path, size before this fit, graphs compiled before this fit).
         self._debug: tuple[str, int, int] | None = None
         path = self._debug_file()
-        if path is not None and backend.num_processes == 1:
+        if path is not None and strategy.num_processes == 1:
             self._debug = (path, os.path.getsize(path) if os.path.exists(path) else 0, self._counts[0])
 
     # --- evidence ------------------------------------------------------------------------------
     def _snapshot(self) -> dict[str, Any] | None:
         if not self._xla:
             return None
-        from xlatrain.diagnostics import xla_metrics
-
-        return xla_metrics.snapshot()
+        return self._evidence.snapshot()
 
     def _counters(self) -> tuple[int, int]:
         if not self._xla:
             return 0, 0
-        from xlatrain.diagnostics import xla_metrics
-
-        return xla_metrics.step_counters()
+        return self._evidence.step_counters()
 
     def _compile_seconds(self) -> float:
         if not self._xla:
             return 0.0
-        from xlatrain.diagnostics import xla_metrics
-
-        return xla_metrics.compile_seconds()
+        return self._evidence.compile_seconds()
 
     def _is_spmd(self) -> bool:
         if not self._xla:
             return False
-        from xlatrain.diagnostics import xla_metrics
-
-        return xla_metrics.is_spmd()
+        return self._evidence.is_spmd()
 
     def _debug_file(self) -> str | None:
         if not self._xla:
             return None
-        from xlatrain.diagnostics import xla_metrics
-
-        return xla_metrics.debug_file()
+        return self._evidence.debug_file()
 
     def _probe(self, epoch: int, phase: str | None, step: int | None, inputs: dict[str, Any] | None,
                allowed: float) -> None:
@@ -260,17 +252,17 @@ class RunDiagnostics:
         step = first_step - 1
         inputs: dict[str, Any] | None = None
 
-        planned = self._backend.planned_reads
+        planned = self._runtime.planned_reads
 
         def allowed() -> int:
             # A step whose batch has a shape of its own compiles for that reason, whatever else it does.
             nonlocal planned
             usual = (inputs or {}).get("kind") in ("first", "same")
             warm = usual and first_pass and step - first_step < warm_steps
-            first_read = usual and self._backend.planned_reads > planned and phase not in self._planned_seen
+            first_read = usual and self._runtime.planned_reads > planned and phase not in self._planned_seen
             if first_read:
                 self._planned_seen.add(phase)
-            planned = self._backend.planned_reads
+            planned = self._runtime.planned_reads
             return int(warm) + int(first_read)
 
         while True:
@@ -300,7 +292,7 @@ class RunDiagnostics:
         self._probe(epoch, None, None, None, math.inf if epoch == (self._first_epoch or epoch) else 0)
         now = time.perf_counter()
         snap = self._snapshot()
-        planned = self._backend.planned_reads
+        planned = self._runtime.planned_reads
         train = self._phases.get("train")
         waited = (train.wait_s if train else 0.0) - self._wait_mark
         self._wait_mark += waited
@@ -310,9 +302,7 @@ class RunDiagnostics:
             "input_bound_share": min(1.0, waited / wall) if wall > 0 else 0.0,
         }
         if snap is not None and self._snap is not None:
-            from xlatrain.diagnostics import xla_metrics
-
-            d = xla_metrics.diff(self._snap, snap)
+            d = self._evidence.diff(self._snap, snap)
             row.update(
                 compilations=d["compile_count"], compile_s=d["compile_s"],
                 host_reads=d["transfer_from_device_count"], planned_reads=planned - self._planned,
@@ -345,13 +335,11 @@ class RunDiagnostics:
         """
         if self._debug is None:
             return None
-        from xlatrain.diagnostics import xla_metrics
-
         path, offset, base = self._debug
         try:
             with open(path, encoding="utf-8", errors="replace") as f:
                 f.seek(offset)
-                blocks = xla_metrics.compilation_analyses(f.read())
+                blocks = self._evidence.compilation_analyses(f.read())
         except OSError as exc:
             return f"could not read PT_XLA_DEBUG_FILE={path}: {exc}"
         counted = self._counts[0] - base
@@ -573,9 +561,7 @@ class RunDiagnostics:
                 f"({', '.join(places)} of epoch {self._first_epoch}), as a clean run does"
             )
         if self._snap is not None and self._first is not None:
-            from xlatrain.diagnostics import xla_metrics
-
-            total = xla_metrics.diff(self._first, self._snap)
+            total = self._evidence.diff(self._first, self._snap)
             failed = total.get("persistent_cache_deserialize_failure", 0)
             if failed and self._platform == "cpu":
                 out.append(

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from xlatrain.backend.base import Backend
+from xlatrain.backend.base import Runtime, Strategy
 from xlatrain.data.sampling import EvalSampler
 from xlatrain.train.batch import tree_flatten, tree_map, tree_unflatten
 from xlatrain.train.losses import EvalLoss
@@ -41,13 +41,14 @@ class RowCollector:
     """Per-batch device trees (outputs, targets, ...) -> one host tree in dataset order.
 
     Each batch is gathered over processes on the device (a fixed-shape collective, compiled once;
-    the identity under SPMD) and moved to the host through ``backend.defer``, so nothing waits
+    the identity under SPMD) and moved to the host through ``runtime.defer``, so nothing waits
     for it and no graph grows with the dataset. ``result`` restores dataset order and drops the
     padding rows.
     """
 
-    def __init__(self, backend: Backend, layout: EvalSampler) -> None:
-        self._backend = backend
+    def __init__(self, runtime: Runtime, strategy: Strategy, layout: EvalSampler) -> None:
+        self._runtime = runtime
+        self._strategy = strategy
         self._layout = layout
         self._host: list[list[torch.Tensor]] = []
         self._spec: Any = None
@@ -56,10 +57,10 @@ class RowCollector:
         leaves, self._spec = tree_flatten(tree)
         slot: list[torch.Tensor] = []
         self._host.append(slot)
-        self._backend.defer(lambda *ts: slot.extend(ts), [self._backend.all_gather(t.detach()) for t in leaves])
+        self._runtime.defer(lambda *ts: slot.extend(ts), [self._strategy.all_gather(t.detach()) for t in leaves])
 
     def result(self) -> Any:
-        self._backend.read([])  # run any deferred copies still in flight
+        self._runtime.read([])  # run any deferred copies still in flight
         lay = self._layout
         indices = [lay.indices(p).reshape(lay.steps, lay.loader_batch) for p in range(lay.num_processes)]
         # Batch k arrives as [process 0's rows, process 1's rows, ...].
@@ -109,14 +110,15 @@ class EvalAccumulator:
 
     def compute(
         self,
-        backend: Backend,
+        runtime: Runtime,
+        strategy: Strategy,
         label_names: Sequence[str] | None = None,
         metrics_fn: Callable[[Any, Any], dict[str, float]] | None = None,
     ) -> dict[str, float]:
         """Reduce over processes, read once, and return host floats."""
         names = list(self.sums)
         stacked = torch.stack([self.sums[n] for n in names] + [self.count, self.correct])
-        (sums,) = backend.read([backend.all_reduce_sum(stacked)])
+        (sums,) = runtime.read([strategy.all_reduce_sum(stacked)])
         *term_sums, count, correct = sums.double().tolist()
         out: dict[str, float] = {name: value / count for name, value in zip(names, term_sums)}
         out["num_samples"] = int(count)

@@ -1,8 +1,9 @@
 """Everything a run needs to continue exactly: packed into tensors + JSON, and back.
 
-Tensors (model, optimizer state) go to safetensors; the rest (optimizer hyper-parameters,
-scheduler, RNG states and running loss sums of every process, the cursor, history, config,
-versions) to JSON. Nothing is pickled.
+Tensors (model, optimizer state) go to safetensors, whole or, under a sharded strategy, in parts
+(the strategy saves and loads those); the rest (optimizer hyper-parameters, scheduler, RNG states
+and running loss sums of every process, the cursor, history, config, versions) to JSON. Nothing
+is pickled.
 """
 
 from __future__ import annotations
@@ -64,43 +65,19 @@ def _jsonable(name: str, value: Any) -> Any:
     return value
 
 
-def pack(
+def pack_meta(
     *,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
     scheduler: Any,
     sums_per_process: list[dict[str, float]],
     cursor: Cursor,
     rng_states: list[dict[str, Any]],
     config: dict[str, Any],
-    read: Callable[[Sequence[torch.Tensor]], list[torch.Tensor]],
-) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Collect the run's state; ``read`` brings every device tensor to the host in one planned sync."""
-    opt_state = optimizer.state_dict()
-    device_tensors: dict[str, torch.Tensor] = {}
-    scalars: dict[str, dict[str, Any]] = {}
-    for index, per_param in opt_state["state"].items():
-        for key, value in per_param.items():
-            if isinstance(value, torch.Tensor):
-                device_tensors[f"optim.{index}.{key}"] = value.detach()
-            else:
-                scalars.setdefault(str(index), {})[key] = value
-
-    # One read for weights and optimizer state together.
-    weights, aliases = distinct_weights(model)
-    names = list(weights) + list(device_tensors)
-    host = read(list(weights.values()) + list(device_tensors.values()))
-    tensors = {(f"model.{n}" if i < len(weights) else n): t.contiguous() for i, (n, t) in enumerate(zip(names, host))}
-
+) -> dict[str, Any]:
+    """The JSON part every checkpoint has, however its tensors are stored."""
     meta = {
         "format": FORMAT_VERSION,
         "cursor": {k: v for k, v in dataclasses.asdict(cursor).items() if k != "history"},
         "history": cursor.history,
-        "model_aliases": aliases,
-        "optimizer": {
-            "param_groups": _jsonable("optimizer param_groups", opt_state["param_groups"]),
-            "scalars": _jsonable("optimizer state", scalars),
-        },
         "scheduler": _jsonable("scheduler state", scheduler.state_dict()) if scheduler is not None else None,
         "rng": rng_states,
         # Each process's running sums of the epoch (float32 values, exact as JSON floats).
@@ -111,25 +88,50 @@ def pack(
     }
     if math.isnan(cursor.best):
         meta["cursor"]["best"] = None
-    return tensors, meta
+    return meta
 
 
-def unpack(
-    tensors: dict[str, torch.Tensor],
-    meta: dict[str, Any],
-    *,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any,
-) -> tuple[Cursor, list[dict[str, float]], list[dict[str, Any]]]:
-    """Load state into the live objects; returns the cursor, per-process running sums and RNG states."""
-    if meta.get("format") != FORMAT_VERSION:
-        raise ValueError(f"checkpoint format {meta.get('format')!r} is not supported (expected {FORMAT_VERSION})")
+def pack_whole(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, read: Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A whole state (every process holds all of it): tensors for safetensors, and their JSON part.
+
+    ``read`` brings every device tensor to the host in one planned sync.
+    """
+    opt_state = optimizer.state_dict()
+    device_tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for index, per_param in opt_state["state"].items():
+        for key, value in per_param.items():
+            if isinstance(value, torch.Tensor):
+                device_tensors[f"optim.{index}.{key}"] = value.detach()
+            else:
+                scalars.setdefault(str(index), {})[key] = value
+    # One read for weights and optimizer state together.
+    weights, aliases = distinct_weights(model)
+    names = list(weights) + list(device_tensors)
+    host = read(list(weights.values()) + list(device_tensors.values()))
+    tensors = {(f"model.{n}" if i < len(weights) else n): t.contiguous() for i, (n, t) in enumerate(zip(names, host))}
+    return tensors, {
+        "model_aliases": aliases,
+        "optimizer": {
+            "param_groups": _jsonable("optimizer param_groups", opt_state["param_groups"]),
+            "scalars": _jsonable("optimizer state", scalars),
+        },
+    }
+
+
+def sharded_extra(extra: dict[str, Any]) -> dict[str, Any]:
+    """The JSON part of a sharded state (optimizer hyper-parameters and scalars), checked."""
+    return {"param_groups": _jsonable("optimizer param_groups", extra["param_groups"]),
+            "scalars": _jsonable("optimizer state", extra["scalars"])}
+
+
+def unpack_whole(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A whole state's model weights (ties restored) and optimizer ``state_dict``."""
     weights = {k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}
     for alias, kept in meta["model_aliases"].items():
         weights[alias] = weights[kept]
-    model.load_state_dict(weights)
-
     state: dict[int, dict[str, Any]] = {}
     for key, value in tensors.items():
         if key.startswith("optim."):
@@ -137,14 +139,32 @@ def unpack(
             state.setdefault(int(index), {})[name] = value
     for index, values in meta["optimizer"]["scalars"].items():
         state.setdefault(int(index), {}).update(values)
-    optimizer.load_state_dict({"state": state, "param_groups": meta["optimizer"]["param_groups"]})
+    return weights, {"state": state, "param_groups": meta["optimizer"]["param_groups"]}
+
+
+def unpack_meta(meta: dict[str, Any], scheduler: Any) -> tuple[Cursor, list[dict[str, float]], list[dict[str, Any]]]:
+    """Load the scheduler; returns the cursor, per-process running sums and RNG states."""
+    if meta.get("format") != FORMAT_VERSION:
+        raise ValueError(f"checkpoint format {meta.get('format')!r} is not supported (expected {FORMAT_VERSION})")
     if scheduler is not None and meta["scheduler"] is not None:
         scheduler.load_state_dict(meta["scheduler"])
-
     raw = dict(meta["cursor"])
     raw["best"] = math.nan if raw.get("best") is None else raw["best"]
     cursor = Cursor(**raw, history=list(meta["history"]))
     return cursor, list(meta["sums"]), list(meta["rng"])
+
+
+def saved_shapes(
+    tensors: dict[str, torch.Tensor] | None, index: dict[str, Any] | None, aliases: dict[str, str]
+) -> dict[str, tuple[int, ...]]:
+    """The shapes of the model's distinct weights as a checkpoint holds them (whole tensors, or a
+    shards index, which lists a tied weight under each of its names)."""
+    if tensors is not None:
+        found = {k[len("model."):]: tuple(t.shape) for k, t in tensors.items() if k.startswith("model.")}
+    else:
+        assert index is not None
+        found = {k[len("model."):]: tuple(t["size"]) for k, t in index["tensors"].items() if k.startswith("model.")}
+    return {k: v for k, v in found.items() if k not in aliases}
 
 
 # How each setting may differ when a run resumes from a checkpoint. "continue": the run goes on
@@ -153,7 +173,7 @@ def unpack(
 # going on would silently mix two runs. Every TrainConfig and CheckpointConfig field is listed.
 RESUME_RULES: dict[str, str] = {
     "trainer.epochs": "at least the epochs done",
-    "trainer.batch_size": "error",
+    "trainer.batch_size": "continue",  # run.global_batch must hold: another device count may resume
     "trainer.eval_batch_size": "continue",
     "trainer.scale_lr": "error",
     "trainer.precision": "continue",
@@ -180,6 +200,16 @@ RESUME_RULES: dict[str, str] = {
     "checkpoint.keep_last": "continue",
     "checkpoint.enabled": "continue",
     "backend.compile_cache": "continue",
+    # Where and how the run is spread: the state is device-independent and a sharded checkpoint
+    # reshards, so another device count, runtime or strategy continues the same run (the global
+    # batch, checked below, keeps the data order and the losses).
+    "backend.accelerator": "continue",
+    "backend.devices": "continue",
+    "backend.xla_mode": "continue",
+    "backend.tpu_runtime": "continue",
+    "backend.strategy": "continue",
+    "backend.units": "continue",
+    "backend.activation_checkpointing": "continue",
     # The shape of the run itself, recorded by the Trainer.
     "run.global_batch": "error",
     "run.num_train_samples": "error",

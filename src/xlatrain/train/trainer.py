@@ -1,14 +1,16 @@
 """Trainer: fit / evaluate / predict for one PyTorch model on any Backend.
 
 The loop is written out in full in ``_train_epoch``: one forward, one backward, one optimizer step
-per global batch, with nothing read back to the host except through ``backend.defer`` every
-``log_every`` steps and ``backend.read`` at epoch end.
+per global batch, with nothing read back to the host except through ``runtime.defer`` every
+``log_every`` steps and ``runtime.read`` at epoch end. What the device is, the runtime answers;
+how the model is spread over devices, the strategy.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
 import os
 import signal
@@ -23,15 +25,20 @@ from torch.utils.data import DataLoader
 
 from xlatrain.backend import Backend, from_config, select_backend
 from xlatrain.backend.base import host_rng_state, set_host_rng_state
+from xlatrain.backend.model_state import has_meta_tensors
+from xlatrain.backend.precision import Precision
 from xlatrain.checkpoint import (
+    SHARDS_DIR,
+    distinct_weights,
+    SHARDS_INDEX,
     find_resumable,
+    latest_name,
     list_checkpoints,
     prune_checkpoints,
-    distinct_weights,
-    latest_name,
     read_checkpoint,
-    save_weights,
     write_checkpoint,
+    write_sharded_checkpoint,
+    write_weights,
 )
 from xlatrain.config import BackendConfig, CheckpointConfig, TrainConfig, monitor_mode_for
 from xlatrain.data.sampling import EvalSampler, PaddedDataset, TrainSampler
@@ -46,9 +53,16 @@ from xlatrain.tensorboard import TensorBoardLog
 from xlatrain.train.batch import BatchLayout, collate, tree_map
 from xlatrain.train.losses import EvalLoss, loss_terms
 from xlatrain.train.metrics import EvalAccumulator, RowCollector, as_float, default_monitor, infer_task
-from xlatrain.train.state import Cursor, resume_changes
-from xlatrain.train.state import pack as pack_state
-from xlatrain.train.state import unpack
+from xlatrain.train.state import (
+    Cursor,
+    pack_meta,
+    pack_whole,
+    resume_changes,
+    saved_shapes,
+    sharded_extra,
+    unpack_meta,
+    unpack_whole,
+)
 
 log = get_logger(__name__)
 
@@ -85,6 +99,14 @@ class Trainer:
         config: a :class:`~xlatrain.config.TrainConfig`.
         checkpoint: a :class:`~xlatrain.config.CheckpointConfig` (default: at each epoch end).
         backend: a Backend, a BackendConfig, or an accelerator name (``"auto"``, ``"xla"``, ...).
+        accelerator, devices, strategy: where and how to run, as in Lightning, instead of
+            ``backend``: ``strategy="fsdp"`` shards parameters, gradients and optimizer state over
+            the processes (``"auto"``: data parallel over whatever was launched; ``"single"``,
+            ``"ddp"``). :class:`~xlatrain.config.BackendConfig` holds the rest (``units``,
+            ``activation_checkpointing``).
+        init_weights: for a model built on the ``meta`` device (too large to build on the host),
+            ``init_weights(model)`` initialises its weights in place once each device holds its
+            part; default: every submodule's ``reset_parameters()``.
         label_names: names of multilabel outputs, used in per-label metric columns.
         metrics_fn: ``metrics_fn(outputs, targets) -> {name: value}`` on the host, over the whole
             evaluation set in dataset order (outputs/targets as the model and dataset give them,
@@ -115,6 +137,8 @@ class Trainer:
         run_config: dict[str, Any] | None = None,
         accelerator: str | None = None,
         devices: int | None = None,
+        strategy: str | None = None,
+        init_weights: Callable[[torch.nn.Module], None] | None = None,
         inputs: str | Sequence[str] | None = None,
         targets: str | Sequence[str] | None = None,
     ) -> None:
@@ -122,18 +146,20 @@ class Trainer:
         self.config = cfg = config or TrainConfig()
         self.checkpoint = checkpoint or CheckpointConfig()
         self.layout = BatchLayout(inputs, targets)
-        if accelerator is not None or devices is not None:
+        if accelerator is not None or devices is not None or strategy is not None:
             if not (isinstance(backend, str) and backend == "auto"):
                 raise ValueError(
-                    f"backend={backend!r} and accelerator=/devices= both say where to run: give one, e.g. "
+                    f"backend={backend!r} and accelerator=/devices=/strategy= both say where to run: give one, e.g. "
                     "Trainer(..., accelerator='xla', devices=4) or Trainer(..., backend=BackendConfig(accelerator='xla', devices=4))"
                 )
-            backend = BackendConfig(accelerator=accelerator or "auto", devices=devices)
+            backend = BackendConfig(accelerator=accelerator or "auto", devices=devices, strategy=strategy or "auto")
         if isinstance(backend, str):
             backend = select_backend(backend)
         elif isinstance(backend, BackendConfig):
             backend = from_config(backend)
-        self.backend = be = backend
+        self.backend = backend
+        self.runtime, self.strategy = rt, st = backend.runtime, backend.strategy
+        self.precision = Precision(cfg.precision, rt.autocast_device)
         self.task = infer_task(loss_fn) if cfg.task == "auto" else cfg.task
         monitor, mode = default_monitor(self.task)
         self.monitor = cfg.monitor or monitor
@@ -143,22 +169,19 @@ class Trainer:
         self.label_names = list(label_names) if label_names is not None else None
         self.metrics_fn = metrics_fn
         self._run_config = {k: v for k, v in (run_config or {}).items() if k not in ("trainer", "checkpoint")}
-        self.model = be.prepare_model(model)
-        if cfg.compile and be.name == "xla":
-            raise ValueError(
-                "compile=True runs the model under torch.compile on CPU, CUDA and TorchTPU; torch_xla "
-                "already compiles every step (lazy tensors): leave compile off with accelerator='xla'"
-            )
+        if has_meta_tensors(model):
+            rt.seed_everything(cfg.seed)  # the weights drawn on the devices depend on the seed only
+        self.model = st.prepare_model(model, self.precision, init_weights)
         # Training and evaluation run through this; under torch.compile each mode (train with
         # gradients, eval without) gets its own graph.
-        self._forward = be.compile(self.model) if cfg.compile else self.model
-        self.optimizer = optimizer_fn(be.unwrap(self.model).parameters())
-        if cfg.scale_lr and be.world_size > 1:
+        self._forward = rt.compile(self.model) if cfg.compile else self.model
+        self.optimizer = optimizer_fn(st.unwrap(self.model).parameters())
+        if cfg.scale_lr and st.world_size > 1:
             before = [g["lr"] for g in self.optimizer.param_groups]
             for g in self.optimizer.param_groups:
-                g["lr"] = g["lr"] * be.world_size
+                g["lr"] = g["lr"] * st.world_size
             self._say(
-                f"learning rate scaled x{be.world_size} by device count (scale_lr=True): "
+                f"learning rate scaled x{st.world_size} by device count (scale_lr=True): "
                 f"{before[0]:g} -> {self.optimizer.param_groups[0]['lr']:g}"
             )
         # Built after any scaling, so the schedule starts from the scaled rate; one that needs the
@@ -181,7 +204,7 @@ class Trainer:
     # ----------------------------------------------------------------------------------------
     @property
     def global_batch_size(self) -> int:
-        return self.config.batch_size * self.backend.world_size
+        return self.config.batch_size * self.strategy.world_size
 
     @property
     def run_dir(self) -> Path:
@@ -199,10 +222,10 @@ class Trainer:
                 (a fresh start when there is none); a path continues from that checkpoint;
                 ``False`` starts fresh, in a new run directory if ``run_dir`` already holds a run.
         """
-        cfg, be = self.config, self.backend
+        cfg, rt, st = self.config, self.runtime, self.strategy
         ensure_console()
         self._open_run_dir(resume)
-        be.seed_everything(cfg.seed)
+        rt.seed_everything(cfg.seed)
         feed = _TrainFeed(self, train_data)
         if val_data is None and self.monitor.startswith("val_") and cfg.monitor is None:
             self.monitor, self.monitor_mode = "train_loss", "min"  # nothing validated to monitor
@@ -221,8 +244,8 @@ class Trainer:
         cursor, sums = self._resume(resume)
         self.history = cursor.history
         self._say(
-            f"xlatrain: {be.describe()} | global batch {self.global_batch_size * cfg.grad_accum_steps} = "
-            f"{cfg.batch_size} per device x {be.world_size} device(s)"
+            f"xlatrain: {self.backend.describe()} | global batch {self.global_batch_size * cfg.grad_accum_steps} = "
+            f"{cfg.batch_size} per device x {st.world_size} device(s)"
             + (f" x {cfg.grad_accum_steps} accumulation steps" if cfg.grad_accum_steps > 1 else "")
             + f" | {feed.steps_per_epoch // cfg.grad_accum_steps} optimizer steps per epoch"
             + f" | precision {cfg.precision} | run dir {self.run_dir}"
@@ -239,19 +262,20 @@ class Trainer:
                 f"all {cfg.epochs} epoch(s) of this run are done: nothing to train. Raise epochs to train "
                 "on, or start over (resume=False; --fresh on the command line)."
             )
-        self._interactive = interactive_terminal(be.is_main)
+        self._interactive = interactive_terminal(st.is_main)
         with contextlib.ExitStack() as run:
             # Each is closed however the run ends (finished, preempted, failed): event files
             # flushed, a trace written, the compile watch's callback removed, signals restored.
             self._tb = run.enter_context(
-                TensorBoardLog(self.run_dir, enabled=cfg.tensorboard, is_main=be.is_main, start_step=cursor.global_step)
+                TensorBoardLog(self.run_dir, enabled=cfg.tensorboard, is_main=st.is_main, start_step=cursor.global_step)
             )
             self._trace = run.enter_context(contextlib.closing(
-                StepTrace(self.run_dir, cfg.profile_steps, backend_name=be.name, is_main=be.is_main, platform=be.platform)
+                StepTrace(self.run_dir, cfg.profile_steps, trace_kind=rt.trace_kind, is_main=st.is_main,
+                          platform=rt.platform)
             )) if cfg.profile_steps else None
             watch = run.enter_context(CompileWatch().start(first_epoch=first_epoch)) if cfg.compile else None
             self._diag = RunDiagnostics(
-                be, per_device_batch=cfg.batch_size, strict=cfg.strict, grad_accum_steps=cfg.grad_accum_steps,
+                rt, st, per_device_batch=cfg.batch_size, strict=cfg.strict, grad_accum_steps=cfg.grad_accum_steps,
                 compile_watch=watch,
             ) if cfg.diagnostics else None
             stop = run.enter_context(_StopSignals(self._say))
@@ -273,23 +297,23 @@ class Trainer:
                     )
                     break
             if self._diag is not None:
-                self._diag.finish(self.run_dir, be.is_main)
-        be.barrier()
+                self._diag.finish(self.run_dir, st.is_main)
+        st.barrier()
         return self.history
 
     def _finish_epoch(self, row: dict[str, Any], cursor: Cursor, sums: dict[str, torch.Tensor]) -> None:
         """An epoch's bookkeeping, in the order a resume relies on: history and TensorBoard are
         written before the checkpoint that marks the epoch done."""
-        cfg, be = self.config, self.backend
+        cfg, st = self.config, self.strategy
         if self._diag is not None:
             row["input_bound_share"] = round(self._diag.end_epoch(cursor.epoch)["input_bound_share"], 4)
-        row.update(be.runtime_stats())
+        row.update(self.runtime.runtime_stats())
         if self.scheduler is not None and cfg.scheduler_interval == "epoch":
             self.scheduler.step()
         improved = self._track_best(row, cursor)
         self.history.append(row)
         cursor.epoch_done = True
-        if be.is_main:
+        if st.is_main:
             write_history(self.run_dir, self.history)
         tb = self._tb
         if tb is not None:
@@ -303,7 +327,7 @@ class Trainer:
 
     def evaluate(self, data: Any) -> dict[str, float]:
         """Loss and task metrics over ``data``, every sample counted exactly once."""
-        be = self.backend
+        rt, st = self.runtime, self.strategy
         if self._eval_loss is None:
             self._dry_run(None, data)
         assert self._eval_loss is not None
@@ -311,17 +335,17 @@ class Trainer:
         if self._diag is not None:
             batches = self._diag.timed(batches, "eval", 0)
         keep_rows = self.metrics_fn is not None or self.task == "multilabel" or self._eval_loss.per_sample is None
-        acc = EvalAccumulator(self.task, be.device, self._eval_loss, RowCollector(be, layout) if keep_rows else None)
+        acc = EvalAccumulator(self.task, rt.device, self._eval_loss, RowCollector(rt, st, layout) if keep_rows else None)
         self.model.eval()
         with torch.no_grad():
             for batch, valid_B in batches:
                 args, targets = self.layout.split(batch)
-                with be.autocast(self.config.precision):
+                with self.precision.autocast():
                     outputs = self._forward(*args)
                 outputs = as_float(outputs)
                 acc.update(outputs, targets, valid_B)
-                be.step_end()
-        return acc.compute(be, self.label_names, self.metrics_fn)
+                rt.step_end()
+        return acc.compute(rt, st, self.label_names, self.metrics_fn)
 
     def predict(self, data: Any) -> Any:
         """Model outputs for every item of ``data``, in dataset order, on the host.
@@ -330,16 +354,23 @@ class Trainer:
         dataclasses read through the Trainer's ``inputs=`` keys. Models returning several tensors
         (a tuple or dict) get the same structure back, each stacked.
         """
-        be = self.backend
         batches, layout = self._eval_batches(data)
-        rows = RowCollector(be, layout)
+        rows = RowCollector(self.runtime, self.strategy, layout)
         self.model.eval()
         with torch.no_grad():
             for item, _valid in batches:
-                with be.autocast(self.config.precision):
+                with self.precision.autocast():
                     rows.add(as_float(self._forward(*self.layout.model_args(item))))
-                be.step_end()
+                self.runtime.step_end()
         return rows.result()
+
+    def save_weights(self, path: str | os.PathLike[str]) -> Path | None:
+        """Write the model's whole weights to a safetensors file (``xlatrain.load_weights`` reads
+        it). Call it on every process: a sharded model is gathered onto the main process, which
+        writes the file and returns its path (the others return ``None``)."""
+        with self.runtime.planned_transfers():
+            whole = self.strategy.whole_weights(self.model, self.runtime.read)
+        return write_weights(path, *whole) if whole is not None else None
 
     def _dry_run(self, train_data: Any | None, val_data: Any | None) -> None:
         """Run the model and loss on one batch before any training, so a batch layout, a loss or a
@@ -349,7 +380,7 @@ class Trainer:
         run's numbers are what they would be without it. On XLA nothing executes: the shapes are
         traced only and the traced graph is dropped.
         """
-        be, model = self.backend, self.model
+        model = self.model
         was_training = model.training
         host_rng = host_rng_state()
         role, batch = "training", None
@@ -359,9 +390,10 @@ class Trainer:
                 for role, data in (("training", train_data), ("validation", val_data)):
                     if data is None:
                         continue
-                    batch = tree_map(lambda t: t.to(be.device) if isinstance(t, torch.Tensor) else t, _first_batch(data))
+                    device = self.runtime.device
+                    batch = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, _first_batch(data))
                     args, targets = self.layout.split(batch)
-                    with be.autocast(self.config.precision):
+                    with self.precision.autocast():
                         outputs = model(*args)
                         _, terms = loss_terms(self.loss_fn(outputs, targets))
                     if role == "training":
@@ -376,7 +408,7 @@ class Trainer:
             if hasattr(exc, "add_note"):
                 exc.add_note(
                     f"xlatrain: raised in a dry run on one {role} batch, before training: loss_fn "
-                    f"{self.loss_fn!r}, model {type(be.unwrap(model)).__name__}, batch {_shapes(batch)}"
+                    f"{self.loss_fn!r}, model {type(self.strategy.unwrap(model)).__name__}, batch {_shapes(batch)}"
                 )
             raise
         finally:
@@ -389,7 +421,7 @@ class Trainer:
     ) -> dict[str, float]:
         """Train ``cursor.epoch`` from ``cursor.step``; ``sums`` hold the epoch's loss (and terms)
         so far. Returns the epoch's mean loss and terms as history columns (``train_...``)."""
-        cfg, be = self.config, self.backend
+        cfg, rt, st = self.config, self.runtime, self.strategy
         accum, num_steps = cfg.grad_accum_steps, feed.steps_per_epoch
         every = self.checkpoint.every_steps if self.checkpoint.enabled else None
         self.model.train()
@@ -418,19 +450,19 @@ class Trainer:
                     # every point logged after a checkpoint at step T lies after T.
                     tb_step = cursor.global_step + (0 if last_micro else 1)
                     show = self._interval(progress, cursor.epoch, last_logged + 1, step, tb_step)
-                    be.defer(show, [be.all_reduce_mean(sums["loss"]), sums["nonfinite"]])
+                    rt.defer(show, [st.all_reduce_mean(sums["loss"]), sums["nonfinite"]])
                     last_logged = step
                 if self._nonfinite is not None:
                     self._fail_nonfinite()
                 # Agreeing on a stop is a host collective when there are several processes, so it
                 # happens at log intervals there; a single process checks every step for free.
-                if last_micro and (be.num_processes == 1 or step % cfg.log_every < accum) and be.any_process(stop.requested):
+                if last_micro and (st.num_processes == 1 or step % cfg.log_every < accum) and st.any_process(stop.requested):
                     self._preempt(cursor, sums, stop)
                 if last_micro and every is not None and cursor.global_step % every == 0 and step < num_steps:
                     self._save_checkpoint(cursor, sums)
                 fetch_started = time.perf_counter()
         names = [k for k in sums if k != "nonfinite"]
-        *totals, bad = be.read([*(be.all_reduce_mean(sums[k]) for k in names), sums["nonfinite"]])
+        *totals, bad = rt.read([*(st.all_reduce_mean(sums[k]) for k in names), sums["nonfinite"]])
         self._check_nonfinite(float(bad), cursor.epoch, 1, num_steps)
         good_steps = max(num_steps - float(bad) if cfg.nan_policy == "skip_step" else num_steps, 1)
         return {"train_" + name.removeprefix("term."): float(total) / good_steps for name, total in zip(names, totals)}
@@ -440,12 +472,12 @@ class Trainer:
 
         Nothing here reads the device: the loss and its terms are added to ``sums`` on it.
         """
-        cfg, be, model, opt = self.config, self.backend, self.model, self.optimizer
+        cfg, rt, st, model, opt = self.config, self.runtime, self.strategy, self.model, self.optimizer
         accum, guard = cfg.grad_accum_steps, cfg.nan_policy == "skip_step"
         args, targets = self.layout.split(batch)
-        be.step_begin(((cfg.seed * 1_000_003 + cursor.epoch) * 1_000_003 + step) % 2**62)
-        with contextlib.nullcontext() if last_micro else be.no_sync(model):
-            with be.autocast(cfg.precision):
+        rt.step_begin(((cfg.seed * 1_000_003 + cursor.epoch) * 1_000_003 + step) % 2**62)
+        with contextlib.nullcontext() if last_micro else st.no_sync(model):
+            with self.precision.autocast():
                 outputs = self._forward(*args)
                 loss, terms = loss_terms(self.loss_fn(outputs, targets))  # shapes only: no sync
             (loss / accum if accum > 1 else loss).backward()
@@ -457,14 +489,11 @@ class Trainer:
         loss = loss.detach().float()
         finite = torch.isfinite(loss)
         if last_micro:
-            be.reduce_gradients(opt)
+            st.reduce_gradients(opt)
             if guard or cfg.clip_grad_norm is not None:
-                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm or math.inf)
+                norm = st.clip_grad_norm(model, cfg.clip_grad_norm or math.inf)
                 finite = finite & torch.isfinite(norm)
-            if guard:
-                _guarded_step(opt, finite)
-            else:
-                opt.step()
+            st.optimizer_step(opt, finite if guard else None)
             opt.zero_grad(set_to_none=True)
             if self.scheduler is not None and cfg.scheduler_interval == "step":
                 self.scheduler.step()
@@ -472,7 +501,7 @@ class Trainer:
         for name, value in (("loss", loss), *((f"term.{t}", v.detach().float()) for t, v in terms.items())):
             sums[name] = sums[name] + (torch.where(finite, value, 0.0) if guard else value)
         sums["nonfinite"] = sums["nonfinite"] + (~finite).float()
-        be.step_end()
+        rt.step_end()
         cursor.step = step
 
     # --- checkpoints, resume, preemption, numerical faults ------------------------------------
@@ -481,7 +510,7 @@ class Trainer:
         # of an epoch has the same structure (on XLA, the same graph). Made on the host and sent
         # as data: zeros made on an XLA device would be a small graph of their own to compile.
         names = ["loss", "nonfinite", *(f"term.{t}" for t in self._term_names)]
-        return {name: torch.zeros(()).to(self.backend.device) for name in names}
+        return {name: torch.zeros(()).to(self.runtime.device) for name in names}
 
     def _open_run_dir(self, resume: bool | str) -> None:
         """``resume=False`` never writes into an existing run: it picks ``run_dir-2``, ``-3``, ..."""
@@ -494,16 +523,16 @@ class Trainer:
             self._say(f"{base} holds an earlier run; resume=False starts this one in {self._run_dir}")
         else:
             self._run_dir = base
-        if self.backend.is_main:
+        if self.strategy.is_main:
             self._run_dir.mkdir(parents=True, exist_ok=True)
 
     def _resume(self, resume: bool | str) -> tuple[Cursor, dict[str, torch.Tensor]]:
-        be = self.backend
+        rt, st = self.runtime, self.strategy
         cursor, sums = Cursor(), self._new_sums()
         if resume is False:
             return cursor, sums
         if resume == "auto":
-            found = find_resumable(self.run_dir / "checkpoints")
+            found = find_resumable(self.run_dir / "checkpoints", group=st)
             if found is None:
                 return cursor, sums
             path, tensors, meta = found
@@ -511,34 +540,42 @@ class Trainer:
             path = Path(resume)
             tensors, meta = read_checkpoint(path)
         self._check_resumable(path, tensors, meta)
-        cursor, per_process_sums, rng = unpack(
-            tensors, meta, model=be.unwrap(self.model), optimizer=self.optimizer, scheduler=self.scheduler
-        )
+        if tensors is None:  # a sharded state: each process reads the chunks its layout needs
+            st.load_sharded(path / SHARDS_DIR, self.model, self.optimizer, meta["sharded"])
+        else:
+            weights, optim_state = unpack_whole(tensors, meta)
+            st.load_whole(self.model, self.optimizer, weights, optim_state)
+        cursor, per_process_sums, rng = unpack_meta(meta, self.scheduler)
         if cursor.epoch_done and cursor.best_epoch == cursor.epoch:
             cursor.best_checkpoint = path.name  # saved right after the best epoch: this one
-        if len(rng) != be.num_processes:
-            raise ValueError(
-                f"checkpoint {path} was written by {len(rng)} process(es) but this run has "
-                f"{be.num_processes}: resume with the same process count, or start fresh (resume=False)"
-            )
-        mine = per_process_sums[be.process_index]
         # What all_reduce_mean(sums["loss"]) reads at the first log interval, known here without a read.
         self._start_loss_sum = sum(p["loss"] for p in per_process_sums) / len(per_process_sums)
-        sums = {k: torch.tensor(v, dtype=torch.float32).to(be.device) for k, v in mine.items()}
-        be.set_rng_state(rng[be.process_index])
+        if len(rng) == st.num_processes:
+            mine = per_process_sums[st.process_index]
+            rt.set_rng_state(rng[st.process_index])
+        else:
+            mine = _resharded_sums(per_process_sums, st.process_index, st.num_processes)
+            # Random streams belong to processes; another process count cannot take them over.
+            rt.seed_everything((self.config.seed * 1_000_003 + cursor.global_step) * 1_000_003 + st.process_index)
+            self._say(
+                f"the checkpoint was written by {len(rng)} process(es) and this run has {st.num_processes}: "
+                "model, optimizer, schedule and data order continue exactly; random draws (dropout, "
+                "augmentation) continue from a seed of the step, not from the saved streams"
+            )
+        sums = {k: torch.tensor(v, dtype=torch.float32).to(rt.device) for k, v in mine.items()}
         epoch, step = cursor.next_position()
         self._say(f"resumed from {path}: continuing at epoch {epoch}, step {step} (optimizer step {cursor.global_step})")
         return cursor, sums
 
-    def _check_resumable(self, path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    def _check_resumable(self, path: Path, tensors: dict[str, torch.Tensor] | None, meta: dict[str, Any]) -> None:
         """Refuse, before anything is loaded, a checkpoint this run cannot continue; log what changed."""
         ways_on = (
             "Resume with the old values, or start over: --fresh on the command line, "
             "fit(..., resume=False) in Python (a new run directory; this one is kept)."
         )
-        saved = {k[len("model."):]: tuple(t.shape) for k, t in tensors.items() if k.startswith("model.")}
-        weights, _ = distinct_weights(self.backend.unwrap(self.model))
-        mine = {name: tuple(t.shape) for name, t in weights.items()}
+        index = json.loads((path / SHARDS_INDEX).read_text()) if tensors is None else None
+        saved = saved_shapes(tensors, index, meta.get("model_aliases", {}))
+        mine = self.strategy.model_shapes(self.model)
         if saved != mine:
             diffs = [f"{n}: {saved.get(n, 'absent')} -> {mine.get(n, 'absent')}" for n in sorted(set(saved) | set(mine))
                      if saved.get(n) != mine.get(n)]
@@ -558,31 +595,41 @@ class Trainer:
             self._say(f"resuming with changed settings: {'; '.join(continued)}")
 
     def _save_checkpoint(self, cursor: Cursor, sums: dict[str, torch.Tensor]) -> Path | None:
-        be = self.backend
+        rt, st = self.runtime, self.strategy
         # Every process's generators and running sums, so each continues exactly as it was.
-        local = dict(zip(sums, (float(t) for t in be.read(list(sums.values())))))
-        per_process = be.gather_objects({"rng": be.rng_state(), "sums": local})
+        local = dict(zip(sums, (float(t) for t in rt.read(list(sums.values())))))
+        per_process = st.gather_objects({"rng": rt.rng_state(), "sums": local})
         # A non-finite loss since the last check must not become the latest checkpoint.
         self._check_nonfinite(sum(p["sums"]["nonfinite"] for p in per_process), cursor.epoch, 1, cursor.step)
-        if not be.is_main:
-            return None
-        tensors, meta = pack_state(
-            model=be.unwrap(self.model), optimizer=self.optimizer, scheduler=self.scheduler, cursor=cursor,
-            sums_per_process=[p["sums"] for p in per_process], rng_states=[p["rng"] for p in per_process],
-            config=self._config_record, read=be.read,
+        meta = pack_meta(
+            scheduler=self.scheduler, cursor=cursor, sums_per_process=[p["sums"] for p in per_process],
+            rng_states=[p["rng"] for p in per_process], config=self._config_record,
         )
         root = self.run_dir / "checkpoints"
-        path = write_checkpoint(root, cursor.global_step, tensors, meta)
+        if st.sharded_state:
+            # Every process writes its own part; nothing is gathered onto one of them.
+            meta["model_aliases"] = distinct_weights(st.unwrap(self.model))[1]  # for `xlatrain export`
+            with rt.planned_transfers():
+                path = write_sharded_checkpoint(
+                    root, cursor.global_step, meta,
+                    lambda directory: sharded_extra(st.save_sharded(directory, self.model, self.optimizer)), st,
+                )
+        elif st.is_main:
+            tensors, whole = pack_whole(st.unwrap(self.model), self.optimizer, rt.read)
+            path = write_checkpoint(root, cursor.global_step, tensors, {**meta, **whole})
+        else:
+            return None
         if cursor.epoch_done and cursor.best_epoch == cursor.epoch:
             cursor.best_checkpoint = path.name
-        prune_checkpoints(root, self.checkpoint.keep_last, keep={cursor.best_checkpoint} - {None})
+        if st.is_main:
+            prune_checkpoints(root, self.checkpoint.keep_last, keep={cursor.best_checkpoint} - {None})
         return path
 
     def _preempt(self, cursor: Cursor, sums: dict[str, torch.Tensor], stop: _StopSignals) -> None:
         path = self._save_checkpoint(cursor, sums) if self.checkpoint.enabled else None
-        if self.backend.is_main:
+        if self.strategy.is_main:
             write_history(self.run_dir, self.history)
-        self.backend.barrier()
+        self.strategy.barrier()
         # A process that was not signalled stops because a peer was: every process stops at this
         # same step, and only a Ctrl-C (SIGINT) of this process makes its exit code non-zero.
         name = signal.Signals(stop.signum).name if stop.signum else "a stop requested on another process"
@@ -623,16 +670,17 @@ class Trainer:
         )
         if improved:
             cursor.best, cursor.best_epoch = value, row["epoch"]
-            if self.backend.is_main and self.config.save_best:
-                save_weights(self.backend.unwrap(self.model), self.run_dir / "best.safetensors", read=self.backend.read)
+            if self.config.save_best:
+                # Under a sharded strategy the weights are gathered onto the main process here.
+                self.save_weights(self.run_dir / "best.safetensors")
         return improved
 
     def _layout(self, per_device: int) -> dict[str, int]:
-        be = self.backend
+        st = self.strategy
         return {
-            "loader_batch": per_device * be.devices_per_process,
-            "num_processes": be.num_processes,
-            "process_index": be.process_index,
+            "loader_batch": per_device * st.devices_per_process,
+            "num_processes": st.num_processes,
+            "process_index": st.process_index,
         }
 
     def _data_loader(self, dataset: Any, sampler: Any) -> DataLoader[Any]:
@@ -644,7 +692,7 @@ class Trainer:
             collate_fn=collate,
             num_workers=cfg.num_workers,
             persistent_workers=cfg.num_workers > 0,
-            pin_memory=self.backend.name == "cuda",
+            pin_memory=self.runtime.pin_memory,
             generator=torch.Generator().manual_seed(cfg.seed),
         )
 
@@ -656,7 +704,7 @@ class Trainer:
             host: Iterable[Any] = dataset.eval_batches(**layout)
         else:
             host = self._data_loader(PaddedDataset(dataset, len(dataset)), sampler)
-        return self.backend.wrap_loader(host), sampler
+        return self.runtime.wrap_loader(host, self.strategy.input_sharding), sampler
 
     def _interval(
         self, progress: EpochProgress, epoch: int, first: int, step: int, tb_step: int
@@ -678,7 +726,7 @@ class Trainer:
         return show
 
     def _say(self, message: str) -> None:
-        if self.backend.is_main:
+        if self.strategy.is_main:
             log.info(message)
 
 
@@ -743,19 +791,14 @@ def _holds_a_run(path: Path) -> bool:
     return (path / "history.json").exists() or bool(list_checkpoints(path / "checkpoints"))
 
 
-@torch.no_grad()
-def _guarded_step(optimizer: torch.optim.Optimizer, finite: torch.Tensor) -> None:
-    """``optimizer.step()`` that leaves parameters and optimizer state unchanged when ``finite``
-    is false, decided on the device (a copy of both per step; no host read)."""
-    tensors = [p for g in optimizer.param_groups for p in g["params"]]
-    tensors += [
-        v for st in optimizer.state.values() for v in st.values()
-        if isinstance(v, torch.Tensor) and v.device == finite.device and v.dim() > 0
-    ]
-    before = [t.detach().clone() for t in tensors]
-    optimizer.step()
-    for t, old in zip(tensors, before):
-        t.copy_(torch.where(finite, t, old))
+def _resharded_sums(per_process: list[dict[str, float]], index: int, count: int) -> dict[str, float]:
+    """This process's share of running sums saved by another number of processes: every process
+    starts from the saved mean (so the mean over processes is unchanged) and process 0 carries the
+    non-finite count."""
+    names = per_process[0].keys()
+    out = {k: sum(p[k] for p in per_process) / len(per_process) for k in names}
+    out["nonfinite"] = sum(p["nonfinite"] for p in per_process) if index == 0 else 0.0
+    return out
 
 
 class _StopSignals:
@@ -797,7 +840,7 @@ class _TrainFeed:
 
     def __init__(self, trainer: Trainer, dataset: Any) -> None:
         cfg = trainer.config
-        self._backend = trainer.backend
+        self._runtime, self._sharding = trainer.runtime, trainer.strategy.input_sharding
         self._dataset = dataset
         self._layout = trainer._layout(cfg.batch_size)
         self._seed = cfg.seed
@@ -819,4 +862,4 @@ class _TrainFeed:
             host = self._dataset.train_batches(
                 epoch=epoch, start_step=start_step, seed=self._seed, step_multiple=self._step_multiple, **self._layout
             )
-        return self._backend.wrap_loader(host)
+        return self._runtime.wrap_loader(host, self._sharding)

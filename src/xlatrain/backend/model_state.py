@@ -1,0 +1,237 @@
+"""What the strategies share about a model's state: its weights whole or sharded, meta-device
+materialisation, the guarded optimizer step, the bytes a device holds, and sharded saves and loads
+through ``torch.distributed.checkpoint`` (DCP) with :mod:`xlatrain.shard_storage`.
+
+A DTensor (what ``fully_shard`` makes of a parameter) is handled by its local shard wherever a
+value is computed per device; a plain tensor is its own local part.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from xlatrain.checkpoint import distinct_weights
+
+OPTIM_PREFIX = "optim."
+MODEL_PREFIX = "model."
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The part of ``t`` this process holds (a DTensor's local shard; a plain tensor itself)."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def full_shapes(module: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """Every distinct weight's global shape (a DTensor reports its whole shape)."""
+    weights, _ = distinct_weights(module)
+    return {name: tuple(t.shape) for name, t in weights.items()}
+
+
+def has_meta_tensors(module: torch.nn.Module) -> bool:
+    return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+
+
+def materialize(module: torch.nn.Module, device: torch.device, init_fn: Callable[[torch.nn.Module], None] | None) -> None:
+    """Give a model built on the ``meta`` device real storage on ``device`` and initialise it.
+
+    ``init_fn(module)`` when given; otherwise every submodule's own ``reset_parameters()`` (what
+    each built-in layer runs in its constructor), in module order, a tied weight keeping its
+    first owner's values. A submodule that holds meta tensors of its own and has no
+    ``reset_parameters`` cannot be initialised that way: an error names it and asks for
+    ``init_fn``. Tied weights are kept tied. The values drawn depend on the seed and, under FSDP,
+    on the process count (each process draws its own shards).
+    """
+    if init_fn is None:
+        missing = [
+            name or type(module).__name__ for name, m in module.named_modules()
+            if not hasattr(m, "reset_parameters")
+            and any(t.is_meta for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)))
+        ]
+        if missing:
+            raise ValueError(
+                f"the model was built on the meta device, and {', '.join(missing[:5])} "
+                f"{'has' if len(missing) == 1 else 'have'} weights but no reset_parameters() to initialise "
+                "them: pass init_weights=fn (fn(model) initialises every weight in place) to the Trainer"
+            )
+    ties = _ties(module)
+    module.to_empty(device=device)
+    for m, name, owner, owner_name in ties:
+        setattr(m, name, getattr(owner, owner_name))
+    with torch.no_grad():
+        if init_fn is not None:
+            init_fn(module)
+            return
+        # A tied weight keeps the values its first owner gives it, as when a model is built on
+        # the host and the tie assigned afterwards (an output layer's reset would redo the
+        # embedding it shares).
+        owned = {id(getattr(owner, owner_name)): (owner, owner_name) for _, _, owner, owner_name in ties}
+        first_values: dict[int, torch.Tensor] = {}
+        for m in module.modules():
+            if hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+            for name, param in m.named_parameters(recurse=False):
+                if owned.get(id(param)) == (m, name) and id(param) not in first_values:
+                    first_values[id(param)] = param.detach().clone()
+        for owner, owner_name in owned.values():
+            param = getattr(owner, owner_name)
+            param.copy_(first_values[id(param)])
+
+
+def _ties(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Module, str]]:
+    """``(module, name, owner, owner_name)`` for each parameter reachable under a second name."""
+    first: dict[int, tuple[torch.nn.Module, str]] = {}
+    aliases = []
+    for m in module.modules():
+        for name, param in m.named_parameters(recurse=False):
+            owner = first.setdefault(id(param), (m, name))
+            if owner != (m, name):
+                aliases.append((m, name, *owner))
+    return aliases
+
+
+def keep_ties(module: torch.nn.Module, move: Callable[[torch.nn.Module], torch.nn.Module]) -> torch.nn.Module:
+    """``move(module)`` with tied weights re-tied afterwards (moving to an XLA device makes a new
+    Parameter per name, so a weight reachable under two names would become two)."""
+    ties = _ties(module)
+    moved = move(module)
+    for m, name, owner, owner_name in ties:
+        setattr(m, name, getattr(owner, owner_name))
+    return moved
+
+
+@torch.no_grad()
+def guarded_step(optimizer: torch.optim.Optimizer, finite: torch.Tensor) -> None:
+    """``optimizer.step()`` that leaves parameters and optimizer state unchanged when ``finite``
+    is false, decided on the device (a copy of both per step; no host read)."""
+    tensors = [local(p) for g in optimizer.param_groups for p in g["params"]]
+    tensors += [
+        local(v) for st in optimizer.state.values() for v in st.values()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    ]
+    tensors = [t for t in tensors if t.device == finite.device]
+    before = [t.detach().clone() for t in tensors]
+    optimizer.step()
+    for t, old in zip(tensors, before):
+        t.copy_(torch.where(finite, t, old))
+
+
+def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
+    """Bytes this device holds of parameters, gradients and optimizer state (local shards)."""
+    params = {id(p): local(p) for p in model.parameters()}
+    out = {
+        "parameters": sum(t.numel() * t.element_size() for t in params.values()),
+        "gradients": sum(local(p.grad).numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None),
+        "optimizer": 0,
+    }
+    if optimizer is not None:
+        seen: set[int] = set()
+        for st in optimizer.state.values():
+            for v in st.values():
+                if isinstance(v, torch.Tensor) and id(v) not in seen:
+                    seen.add(id(v))
+                    out["optimizer"] += local(v).numel() * v.element_size()
+    return out
+
+
+def whole_weights_read(
+    module: torch.nn.Module, read: Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Distinct weights on the host through the runtime's ``read`` (one planned sync)."""
+    from xlatrain.checkpoint import weights_to_host
+
+    return weights_to_host(module, read)
+
+
+# --- sharded state through DCP --------------------------------------------------------------
+
+
+def _split(nested: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``{fqn: {key: value}}`` optimizer state -> (tensors, JSON scalars), same nesting."""
+    tensors: dict[str, Any] = {}
+    scalars: dict[str, Any] = {}
+    for fqn, per_param in nested.items():
+        for key, value in per_param.items():
+            if isinstance(value, torch.Tensor):
+                tensors.setdefault(fqn, {})[key] = value
+            else:
+                scalars.setdefault(fqn, {})[key] = value
+    return tensors, scalars
+
+
+def dcp_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, options: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The model's and optimizer's state keyed by parameter name, as DCP plans it:
+    ``({"model": ..., "optim": ...} tensors, {"param_groups": ..., "scalars": ...} JSON)``."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options) if options else get_state_dict(model, optimizer)
+    tensors, scalars = _split(optim_sd.get("state", {}))
+    return {"model": model_sd, "optim": tensors}, {"param_groups": optim_sd.get("param_groups", []), "scalars": scalars}
+
+
+def save_dcp(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, no_dist: bool, planner: Any = None) -> dict[str, Any]:
+    """Write this process's part of the state into ``path``; returns the JSON part (every process)."""
+    import torch.distributed.checkpoint as dcp
+
+    from xlatrain.shard_storage import SafeShardWriter
+
+    tensors, extra = dcp_state(model, optimizer)
+    kwargs = {"planner": planner} if planner is not None else {}
+    with _quiet_dcp():
+        dcp.save(tensors, storage_writer=SafeShardWriter(path), no_dist=no_dist, **kwargs)
+    return extra
+
+
+@contextlib.contextmanager
+def _quiet_dcp() -> Iterator[None]:
+    """DCP's and torch_xla's notices that say nothing to a user: a single-process save that was
+    asked for, torch_xla's planner written for an older DCP, its shard indexing idiom."""
+    with warnings.catch_warnings():
+        for message in ("torch.distributed is disabled", "The function definition for .*Planner",
+                        "Using a non-tuple sequence for multidimensional indexing"):
+            warnings.filterwarnings("ignore", message=message)
+        yield
+
+
+def load_dcp(
+    path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any], *, no_dist: bool,
+    planner: Any = None,
+) -> None:
+    """Load a DCP state saved under any layout into ``model`` and ``optimizer`` as they are spread now."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    from xlatrain.shard_storage import SafeShardReader
+
+    tensors, _ = dcp_state(model, optimizer)  # targets shaped as this process holds them
+    kwargs = {"planner": planner} if planner is not None else {}
+    with _quiet_dcp():
+        dcp.load(tensors, storage_reader=SafeShardReader(path), no_dist=no_dist, **kwargs)
+    state: dict[str, Any] = {}
+    for fqn, per_param in tensors["optim"].items():
+        state[fqn] = dict(per_param)
+    for fqn, per_param in extra["scalars"].items():
+        state.setdefault(fqn, {}).update(per_param)
+    set_state_dict(model, optimizer, model_state_dict=tensors["model"],
+                   optim_state_dict={"state": state, "param_groups": extra["param_groups"]})
+
+
+def load_whole_sharded(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, weights: dict[str, torch.Tensor], optim_state: dict[str, Any]
+) -> None:
+    """Whole weights and an optimizer ``state_dict`` (keyed by parameter position, as a replicated
+    run saves it) into a sharded model: each process keeps the shards it holds."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    name_of = {id(p): n for n, p in model.named_parameters(remove_duplicate=True)}
+    order = [name_of[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    state = {order[int(i)]: values for i, values in optim_state["state"].items()}
+    groups = [{**g, "params": [order[int(i)] for i in g["params"]]} for g in optim_state["param_groups"]]
+    set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict={"state": state, "param_groups": groups},
+                   options=StateDictOptions(full_state_dict=True))

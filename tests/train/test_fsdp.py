@@ -1,0 +1,235 @@
+"""FSDP against the replicated strategies, for real: torch's ``fully_shard`` under torchrun with CPU
+processes, torch_xla's SPMD FSDP on virtual XLA:CPU devices, and sharded checkpoints that resume
+at another process or device count.
+
+The model (tests/scripts/strategy_fit.py) is three repeated blocks between a tied embedding and
+output layer, trained with SGD + momentum so that gradient clipping changes the update (Adam would
+undo a rescaled gradient). Tolerance: 1e-5 relative on losses, as for DDP against one process;
+measured differences are about 1e-7 (reduction order).
+"""
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import SCRIPTS, run_command
+
+SCRIPT = str(SCRIPTS / "strategy_fit.py")
+REL = 1e-5
+# 192 samples, global batch 24 in micro-batches of 12 per process x 2 processes, 2 micro-batches
+# per optimizer step: 4 optimizer steps per epoch; a checkpoint every 3 lands mid-epoch 2 (step 6).
+COMMON = ["accum=2", "clip=0.5", "every=3", "final=1", "predict=1"]
+
+
+def _torchrun(n):
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    return [torchrun, "--nproc-per-node", str(n), "--master-port", "0", "--standalone"]
+
+
+def _fit(run_dir, accelerator, strategy, epochs, batch, *opts, launcher=(sys.executable,), env=None):
+    proc = run_command([*launcher, SCRIPT, str(run_dir), accelerator, strategy, str(epochs), str(batch), *opts],
+                       env=env, timeout=600)
+    found = {}
+    for line in proc.stdout.splitlines():
+        tag, _, payload = line.partition(" ")
+        if tag in ("HISTORY", "FACTS", "PREDICT"):
+            assert tag not in found, f"{tag} printed twice (by more than the main process):\n{proc.stdout}"
+            found[tag] = json.loads(payload)
+    found["stdout"] = proc.stdout
+    return found
+
+
+def _same_losses(a, b, rel=REL):
+    assert len(a) == len(b)
+    for ra, rb in zip(a, b):
+        for key in ("train_loss", "val_loss"):
+            assert ra[key] == pytest.approx(rb[key], rel=rel), (key, ra, rb)
+        assert ra["val_accuracy"] == rb["val_accuracy"]
+
+
+def _weights(path):
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def _same_weights(a, b, rtol=1e-5, atol=1e-6):
+    wa, wb = _weights(a), _weights(b)
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        torch.testing.assert_close(wa[name], wb[name], rtol=rtol, atol=atol, msg=name)
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("ddp")
+    return run_dir, _fit(run_dir, "cpu", "ddp", 2, 12, *COMMON, launcher=_torchrun(2))
+
+
+@pytest.fixture(scope="module")
+def fsdp(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("fsdp")
+    return run_dir, _fit(run_dir, "cpu", "fsdp", 2, 12, *COMMON, launcher=_torchrun(2))
+
+
+@pytest.mark.multiprocess
+def test_fsdp_under_torchrun_trains_the_ddp_trajectory_with_accumulation_and_clipping(ddp, fsdp):
+    (_, d), (_, f) = ddp, fsdp
+    _same_losses(f["HISTORY"], d["HISTORY"])
+    assert f["HISTORY"][-1]["train_loss"] < f["HISTORY"][0]["train_loss"]
+    torch.testing.assert_close(torch.tensor(f["PREDICT"]), torch.tensor(d["PREDICT"]), rtol=1e-5, atol=1e-5)
+    _same_weights(fsdp[0] / "final.safetensors", ddp[0] / "final.safetensors")
+    _same_weights(fsdp[0] / "best.safetensors", ddp[0] / "best.safetensors")
+    assert "FSDP over 2 process(es), 3 unit(s) (Block)" in f["stdout"]
+
+
+@pytest.mark.multiprocess
+def test_each_fsdp_process_holds_half_of_the_state_and_each_ddp_process_all_of_it(ddp, fsdp):
+    (_, d), (_, f) = ddp, fsdp
+    for facts in f["FACTS"]:
+        whole = facts["whole_parameters"]
+        # Dim 0 of each tensor is split in two; an odd row count puts one extra row on one side.
+        assert 0.45 * whole <= facts["holds"]["parameters"] <= 0.55 * whole, facts
+        assert facts["holds"]["optimizer"] == facts["holds"]["parameters"]  # one momentum buffer each
+        assert facts["parameter_types"] == ["DTensor"] and facts["tied"] and facts["units"] == ["Block"] * 3
+    assert sum(x["holds"]["parameters"] for x in f["FACTS"]) == f["FACTS"][0]["whole_parameters"]
+    for facts in d["FACTS"]:
+        assert facts["holds"]["parameters"] == facts["whole_parameters"] == facts["holds"]["optimizer"]
+        assert facts["parameter_types"] == ["Parameter"] and facts["tied"]
+
+
+def _cut_after(run_dir, dest, step):
+    """A copy of ``run_dir`` as a run stopped right after the checkpoint at ``step`` left it."""
+    shutil.copytree(run_dir, dest)
+    for path in (dest / "checkpoints").iterdir():
+        if int(path.name.split("-")[1].split(".")[0]) > step:
+            shutil.rmtree(path)
+    for name in ("final.safetensors", "best.safetensors", "history.json", "history.csv", "diagnostics.json"):
+        (dest / name).unlink(missing_ok=True)
+    shutil.rmtree(dest / "tb", ignore_errors=True)
+    return dest
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("processes", [1, 4])
+def test_a_two_process_fsdp_checkpoint_reshards_to_another_process_count(fsdp, tmp_path, processes):
+    run_dir, whole = fsdp
+    assert (run_dir / "checkpoints" / "step-00000006" / "shards" / "__1.safetensors").is_file()
+    cut = _cut_after(run_dir, tmp_path / "cut", 6)  # mid epoch 2
+    launcher = _torchrun(processes) if processes > 1 else (sys.executable,)
+    resumed = _fit(cut, "cpu", "fsdp", 2, 24 // processes, *COMMON, launcher=launcher)
+    assert "resumed from" in resumed["stdout"] and "continuing at epoch 2, step 4" in resumed["stdout"]
+    assert f"written by 2 process(es) and this run has {processes}" in resumed["stdout"]
+    _same_losses(resumed["HISTORY"], whole["HISTORY"])
+    _same_weights(cut / "final.safetensors", run_dir / "final.safetensors")
+
+
+@pytest.mark.multiprocess
+def test_a_ddp_checkpoint_resumes_under_fsdp_in_one_process(ddp, tmp_path):
+    run_dir, whole = ddp
+    cut = _cut_after(run_dir, tmp_path / "cut", 6)
+    resumed = _fit(cut, "cpu", "fsdp", 2, 24, *COMMON)
+    assert "FSDP over 1 process(es)" in resumed["stdout"] and "resumed from" in resumed["stdout"]
+    _same_losses(resumed["HISTORY"], whole["HISTORY"])
+    _same_weights(cut / "final.safetensors", run_dir / "final.safetensors")
+
+
+def test_a_model_built_on_the_meta_device_starts_as_the_model_built_on_the_host(tmp_path):
+    host = _fit(tmp_path / "host", "cpu", "single", 1, 24)
+    meta = _fit(tmp_path / "meta", "cpu", "single", 1, 24, "meta=1")
+    fsdp = _fit(tmp_path / "meta-fsdp", "cpu", "fsdp", 1, 24, "meta=1")
+    # Same seed, same reset_parameters() in module order, the tied weight keeping its first
+    # owner's (the embedding's) values: the same numbers as building it on the host.
+    _same_losses(meta["HISTORY"], host["HISTORY"], rel=0)
+    _same_losses(fsdp["HISTORY"], host["HISTORY"])
+
+
+@pytest.mark.multiprocess
+def test_a_meta_device_model_trains_under_fsdp_in_two_processes(tmp_path):
+    out = _fit(tmp_path, "cpu", "fsdp", 2, 12, "meta=1", launcher=_torchrun(2))
+    history = out["HISTORY"]
+    assert history[-1]["train_loss"] < history[0]["train_loss"]
+    assert all(f["tied"] and f["parameter_types"] == ["DTensor"] for f in out["FACTS"])
+
+
+def test_bf16_under_fsdp_keeps_float32_weights_and_follows_the_float32_run(tmp_path):
+    fp32 = _fit(tmp_path / "32", "cpu", "fsdp", 2, 24)
+    bf16 = _fit(tmp_path / "bf16", "cpu", "fsdp", 2, 24, "precision=bf16", "final=1")
+    for a, b in zip(bf16["HISTORY"], fp32["HISTORY"]):
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=0.05)
+        assert a["train_loss"] != b["train_loss"]  # it did compute in bfloat16
+    assert {t.dtype for t in _weights(tmp_path / "bf16" / "final.safetensors").values()} == {torch.float32}
+
+
+def test_activation_checkpointing_keeps_the_trajectory(tmp_path):
+    plain = _fit(tmp_path / "plain", "cpu", "fsdp", 2, 24)
+    checkpointed = _fit(tmp_path / "ac", "cpu", "fsdp", 2, 24, "ac=1")
+    assert "activation checkpointing" in checkpointed["stdout"]
+    _same_losses(checkpointed["HISTORY"], plain["HISTORY"])
+
+
+def _tied_net():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("strategy_fit", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.TiedNet()
+
+
+@pytest.mark.multiprocess
+def test_export_puts_a_sharded_checkpoint_together_for_inference(fsdp, ddp, tmp_path):
+    import xlatrain
+
+    run_dir, _ = fsdp
+    out = tmp_path / "model.safetensors"
+    proc = run_command([sys.executable, "-m", "xlatrain.cli", "export", str(run_dir), "--out", str(out)])
+    assert f"wrote {out}" in proc.stdout and "step-00000008" in proc.stdout
+    # The newest checkpoint ends epoch 2: its weights are the final ones, bit for bit.
+    _same_weights(out, run_dir / "final.safetensors", rtol=0, atol=0)
+    model = _tied_net()
+    xlatrain.load_weights(model, out)
+    assert model.head.weight is model.embed.weight  # stored once, tied again on load
+    # A replicated run's checkpoint exports the same way; the two runs trained alike.
+    proc = run_command([sys.executable, "-m", "xlatrain.cli", "export", str(ddp[0])])
+    _same_weights(ddp[0] / "model.safetensors", out)
+
+
+# --- torch_xla: SPMD FSDP on virtual XLA:CPU devices ---------------------------------------------
+
+XLA_ENV = {"PJRT_DEVICE": "CPU"}
+
+
+@pytest.fixture(scope="module")
+def spmd_fsdp(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("spmd-fsdp")
+    return run_dir, _fit(run_dir, "xla", "fsdp", 2, 6, "devices=4", *COMMON, env=XLA_ENV)
+
+
+@pytest.mark.xla
+def test_spmd_fsdp_trains_the_spmd_data_trajectory_on_four_devices(spmd_fsdp, tmp_path):
+    run_dir, f = spmd_fsdp
+    data = _fit(tmp_path, "xla", "ddp", 2, 6, "devices=4", *COMMON, env=XLA_ENV)
+    _same_losses(f["HISTORY"], data["HISTORY"])
+    _same_weights(run_dir / "final.safetensors", tmp_path / "final.safetensors")
+    sharded = f["FACTS"][0]
+    # Every parameter and its momentum split over the 4 devices along its largest dimension.
+    assert sharded["holds"]["parameters"] == pytest.approx(sharded["whole_parameters"] / 4, rel=0.05)
+    assert sharded["holds"]["optimizer"] == sharded["holds"]["parameters"] and sharded["tied"]
+    replicated = data["FACTS"][0]
+    assert replicated["holds"]["parameters"] == replicated["whole_parameters"]
+    assert "SPMD FSDP over an 'fsdp' mesh of 4 device(s)" in f["stdout"]
+
+
+@pytest.mark.xla
+def test_an_spmd_fsdp_checkpoint_from_four_devices_resumes_on_two(spmd_fsdp, tmp_path):
+    run_dir, whole = spmd_fsdp
+    cut = _cut_after(run_dir, tmp_path / "cut", 6)
+    resumed = _fit(cut, "xla", "fsdp", 2, 12, "devices=2", *COMMON, env=XLA_ENV)
+    assert "continuing at epoch 2, step 4" in resumed["stdout"]
+    _same_losses(resumed["HISTORY"], whole["HISTORY"])
+    _same_weights(cut / "final.safetensors", run_dir / "final.safetensors")
