@@ -34,6 +34,7 @@ class Precision:
         return torch.bfloat16 if self.name == "bf16" else None
 
     @property
-    def reduce_dtype(self) -> torch.dtype:
-        """Gradients are always reduced in float32: a bfloat16 sum over many replicas loses bits."""
-        return torch.float32
+    def reduce_dtype(self) -> torch.dtype | None:
+        """The dtype gradients are reduced in (``None``: their own, float32 under ``"32"``):
+        float32 under bf16, as a bfloat16 sum over many replicas loses bits."""
+        return torch.float32 if self.name == "bf16" else None
