@@ -233,11 +233,9 @@ def test_sigterm_to_one_node_stops_both_at_one_step_with_a_checkpoint(tmp_path):
     shown = "\n---- node 2 ----\n".join(out[-6000:] for out in outs)
     assert any(f"resumed from {path}" in out for out in outs) and (tmp_path / "final.safetensors").exists(), shown
     assert sum("HISTORY " in out for out in outs) == 1, shown  # rank 0 trained every remaining step
-    if [n.returncode for n in again] != [0, 0]:
-        # Rank 0 finishes only when every rank took part in every collective to the end. What is
-        # left, seen now and then on a loaded machine, is a worker that aborts after that, in
-        # torch's own teardown; accepted in that form only, anything else fails.
-        assert "terminate called without an active exception" in shown and "SIGABRT" in shown, shown
+    # Every worker exits 0: the process group is destroyed and collected before interpreter
+    # shutdown, so no gloo thread is left to abort the process after training.
+    assert [n.returncode for n in again] == [0, 0], shown
 
 
 # --- dict items with a two-term loss, and a per-step schedule, across the backends ----------
