@@ -31,9 +31,9 @@ from xlatrain import BackendConfig, CheckpointConfig, TrainConfig, Trainer  # no
 
 DIM, BLOCKS, CLASSES = 384, 6, 10
 BATCH = 32  # per process
-STEPS = 12
+STEPS = 16
 ROUNDS = int(os.environ.get("XLATRAIN_BENCH_ROUNDS", "5"))
-PAIRS = 5
+PAIRS = 7
 
 
 class Block(nn.Module):
