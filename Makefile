@@ -16,7 +16,7 @@ XLA_TOPS     := '.[xla,dev,bench]'
 
 .PHONY: venv venv-xla test test-current test-xla stress demo pe-demo bench lock clean
 
-venv: $(VENV)/.installed
+venv: $(VENV)/.installed $(VENV)/.site-hook
 venv-xla: $(VENV_XLA)/.installed
 
 # $(1) env dir, $(2) lock file
@@ -31,6 +31,12 @@ endef
 $(VENV)/.installed: requirements.lock pyproject.toml
 	$(call build_env,$(VENV),requirements.lock)
 
+# The start-up hook that keeps the dormant TorchTPU of .venv quiet in every Python process on a
+# machine without a TPU (see src/xlatrain/site_hook.py); a copy of hardware.py, so rewritten with it.
+$(VENV)/.site-hook: $(VENV)/.installed src/xlatrain/backend/hardware.py src/xlatrain/site_hook.py
+	$(BIN)/python -m xlatrain.site_hook install
+	@touch $@
+
 $(VENV_XLA)/.installed: requirements-xla.lock pyproject.toml
 	$(call build_env,$(VENV_XLA),requirements-xla.lock)
 
@@ -38,25 +44,25 @@ $(VENV_XLA)/.installed: requirements-xla.lock pyproject.toml
 # pytest exits 5 when it collected nothing; that is a failure here, not a pass.
 test: test-current test-xla
 
-test-current: $(VENV)/.installed
+test-current: $(VENV)/.installed $(VENV)/.site-hook
 	$(BIN)/python -m pytest -m "not xla" $(PYTEST_ARGS)
 
 test-xla: $(VENV_XLA)/.installed
 	$(XBIN)/python -m pytest -m xla $(PYTEST_ARGS)
 
 # The kill -9 fault-injection test with 200 trials instead of make test's 20.
-stress: $(VENV)/.installed
+stress: $(VENV)/.installed $(VENV)/.site-hook
 	XLATRAIN_KILL_TRIALS=200 $(BIN)/python -m pytest -s -k kill_9 tests/train/test_resume.py
 
-demo: $(VENV)/.installed
+demo: $(VENV)/.installed $(VENV)/.site-hook
 	$(BIN)/xlatrain demo --run-dir runs/demo
 
 # The PE-detection recipe on generated RSNA-shaped data, compared with the prior baseline.
-pe-demo: $(VENV)/.installed
+pe-demo: $(VENV)/.installed $(VENV)/.site-hook
 	$(BIN)/python -m xlatrain.recipes.pe_detection.demo configs/pe_detection.yaml
 
 # Entries on the current torch run in .venv; the XLA ones start their workers in .venv-xla.
-bench: $(VENV)/.installed $(VENV_XLA)/.installed
+bench: $(VENV)/.installed $(VENV)/.site-hook $(VENV_XLA)/.installed
 	XLATRAIN_XLA_PYTHON=$(CURDIR)/$(XBIN)/python $(BIN)/python -m benchmarks.run --out benchmarks/results.json
 
 # Re-resolve both pinned environments (needs the registry); commit the results.

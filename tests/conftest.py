@@ -23,8 +23,9 @@ HAS_XLA = importlib.util.find_spec("torch_xla") is not None
 
 # What xlatrain's command line does on a host without a TPU, done before this process imports
 # torch: libtpu must not search the cloud metadata server (a first backward would stall for
-# minutes). Scripts started by the tests also skip loading the dormant torch_tpu (4 s each);
-# this process keeps torch's autoload on, so in-process tests see torch_tpu loaded and dormant.
+# minutes), and scripts started by the tests skip loading the dormant torch_tpu (4 s each). In
+# .venv the environment's start-up hook (xlatrain.site_hook) has done both already; tests that
+# need torch_tpu loaded and dormant start a process with TORCH_DEVICE_BACKEND_AUTOLOAD=1.
 from xlatrain.backend.hardware import settle_libtpu_without_tpu, skip_idle_torch_tpu_autoload  # noqa: E402
 
 settle_libtpu_without_tpu()

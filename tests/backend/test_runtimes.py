@@ -48,16 +48,35 @@ def test_a_forced_runtime_that_cannot_run_names_what_each_found_and_how_to_insta
         choose(NOTHING, "jax")
 
 
-def test_on_this_host_auto_takes_the_cpu_and_tpu_names_both_runtimes():
-    """Real probes: torch_tpu is installed here (in .venv) and dormant, no TPU on the bus."""
-    import importlib.util
+PROBE = """
+import xlatrain
+from xlatrain import BackendUnavailableError, select_backend
+assert select_backend("auto").runtime.kind in ("cpu", "cuda")
+try:
+    select_backend("tpu")
+except BackendUnavailableError as exc:
+    print("FOUND " + str(exc))
+"""
 
-    assert select_backend("auto").runtime.kind in ("cpu", "cuda")
-    with pytest.raises(BackendUnavailableError) as raised:
-        select_backend("tpu")
-    text = str(raised.value)
-    has_tpu = importlib.util.find_spec("torch_tpu") is not None
-    assert ("installed, no TPU device registered" in text) == has_tpu
+
+@pytest.mark.parametrize("autoload", ["1", "0"])
+def test_on_this_host_auto_takes_the_cpu_and_tpu_names_both_runtimes(autoload):
+    """Real probes: torch_tpu is installed here (in .venv) and dormant, no TPU on the bus; loaded
+    by torch (autoload on) or kept out (off, as the environment's start-up hook sets it here)."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    from conftest import script_env
+
+    proc = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300,
+                          env=script_env({"TORCH_DEVICE_BACKEND_AUTOLOAD": autoload}))
+    text = [ln for ln in proc.stdout.splitlines() if ln.startswith("FOUND ")][0]
+    if importlib.util.find_spec("torch_tpu") is not None:
+        expected = "installed, no TPU device registered" if autoload == "1" else "installed but not loaded"
+        assert f"TorchTPU (torch_tpu " in text and expected in text, text
+    else:
+        assert "TorchTPU: not installed" in text
     assert "torch_xla" in text and "TPU chips on the PCI bus: 0" in text
 
 

@@ -135,6 +135,36 @@ def settle_libtpu_without_tpu(
     return True
 
 
+def torch_backend_loaders() -> set[str]:
+    """The values of the ``torch.backends`` entry points installed on ``sys.path`` (what torch
+    autoloads at ``import torch``), read from each distribution's ``entry_points.txt`` as
+    importlib.metadata reads them, without its import cost (this also runs at interpreter start,
+    see :func:`quiet_dormant_tpu`)."""
+    import sys
+
+    found: set[str] = set()
+    for entry in sys.path:
+        try:
+            names = os.listdir(entry or ".")
+        except OSError:
+            continue
+        for name in names:
+            if not name.endswith((".dist-info", ".egg-info")):
+                continue
+            try:
+                text = (Path(entry or ".") / name / "entry_points.txt").read_text()
+            except OSError:
+                continue
+            section = None
+            for line in text.splitlines():
+                line = line.strip()
+                if line.startswith("["):
+                    section = line.strip("[]").strip()
+                elif section == "torch.backends" and "=" in line:
+                    found.add(line.split("=", 1)[1].strip())
+    return found
+
+
 def skip_idle_torch_tpu_autoload(
     environ: dict[str, str] | None = None, pci_root: str | os.PathLike[str] = PCI_ROOT
 ) -> bool:
@@ -142,21 +172,29 @@ def skip_idle_torch_tpu_autoload(
     a dormant torch_tpu.
 
     torch_tpu registers itself to load at every ``import torch`` (about 4 s here: libtpu and
-    torch._dynamo), also on hosts without a TPU, where it registers nothing usable. When no TPU
-    chip is on the PCI bus and torch_tpu is the only autoloaded backend, xlatrain's command line
-    sets ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``; a value the user set is kept, and another backend
-    that relies on autoload keeps it on. Returns whether it set the variable.
+    torch._dynamo), also on hosts without a TPU, where it registers nothing usable and prints
+    libtpu's start-up lines. When no TPU chip is on the PCI bus and torch_tpu is the only
+    autoloaded backend, this sets ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``; a value the user set is
+    kept, and another backend that relies on autoload keeps it on. Returns whether it set the
+    variable.
     """
-    import importlib.metadata as md
-
     env = os.environ if environ is None else environ
     if "TORCH_DEVICE_BACKEND_AUTOLOAD" in env or find_tpu_chips(pci_root):
         return False
-    loaders = {ep.value for ep in md.entry_points(group="torch.backends")}
+    loaders = torch_backend_loaders()
     if not loaders or any(not value.startswith("torch_tpu") for value in loaders):
         return False
     env["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
     return True
+
+
+def quiet_dormant_tpu(environ: dict[str, str] | None = None, pci_root: str | os.PathLike[str] = PCI_ROOT) -> None:
+    """On a host without a TPU, keep an installed TorchTPU/libtpu from loading or waiting: what the
+    ``xlatrain`` command does before torch starts, and what the start-up hook of an environment
+    (``python -m xlatrain.site_hook install``) does for every Python process in it, xlatrain or not.
+    On a host with a TPU chip on the PCI bus it changes nothing."""
+    skip_idle_torch_tpu_autoload(environ, pci_root)
+    settle_libtpu_without_tpu(environ, pci_root)
 
 
 def torch_tpu_cache_env(enabled: bool, environ: dict[str, str] | None = None) -> dict[str, str]:
