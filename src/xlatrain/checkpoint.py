@@ -358,9 +358,10 @@ def check_shards(path: Path, index: dict, which: slice = slice(None)) -> None:
 
 
 def find_resumable(
-    root: str | os.PathLike[str], group: ProcessGroup | None = None
+    root: str | os.PathLike[str], group: ProcessGroup | None = None, failures: list[str] | None = None
 ) -> tuple[Path, dict[str, torch.Tensor] | None, dict] | None:
-    """The newest checkpoint under ``root`` that verifies; damaged ones are skipped with a warning.
+    """The newest checkpoint under ``root`` that verifies; damaged ones are skipped with a warning
+    (and their errors appended to ``failures``).
 
     With ``group`` (the job's processes) every process takes the same decision: the main process
     lists the checkpoints, the shards of a sharded one are verified part by part across the
@@ -386,6 +387,8 @@ def find_resumable(
             error = errors[0] if errors else None
         if error is not None:
             log.warning(f"skipping {error}; trying the previous checkpoint")
+            if failures is not None:
+                failures.append(error)
             continue
         assert found is not None
         return path, found[0], found[1]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -28,7 +29,7 @@ def _fit(args: argparse.Namespace) -> int:
     torch_tpu_cache_env(config.backend.compile_cache)
     from xlatrain.recipes.run import run
 
-    resume: bool | str = False if args.fresh else (args.resume or "auto")
+    resume: bool | str = False if args.fresh else ("overwrite" if args.overwrite else (args.resume or "auto"))
     trainer, history = run(config, resume=resume)
     if trainer.backend.is_main and history:
         print(f"history: {trainer.run_dir}/history.csv  best weights: {trainer.run_dir}/best.safetensors")
@@ -61,7 +62,10 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="xlatrain", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="xlatrain", description=__doc__,
+        epilog="--debug (anywhere on the line), or XLATRAIN_DEBUG=1, shows the traceback behind an error message.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train a small CNN on the bundled digits data")
     demo.add_argument("--run-dir", default="runs/demo", help="output directory (default: runs/demo)")
@@ -85,8 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="override one key, e.g. --set trainer.epochs=3 --set backend.accelerator=xla (repeatable)",
     )
     group = fit.add_mutually_exclusive_group()
-    group.add_argument("--resume", metavar="CHECKPOINT_DIR", help="continue from this checkpoint")
-    group.add_argument("--fresh", action="store_true", help="start over in a new run directory")
+    group.add_argument("--resume", metavar="PATH", help="continue from this checkpoint, or from a run directory's newest")
+    group.add_argument("--fresh", action="store_true", help="start over in a new run directory (this one is kept)")
+    group.add_argument("--overwrite", action="store_true",
+                       help="start over in this run directory, deleting the earlier run's files in it")
     fit.set_defaults(func=_fit)
 
     from xlatrain.data.pack_cli import add_pack_parser
@@ -123,8 +129,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Errors that say what went wrong and how to fix it: printed as a message, without a traceback
+# (--debug, or XLATRAIN_DEBUG=1, shows it). Exit status 2: the input must change; 1: the run failed.
+USER_ERRORS = {
+    "ValueError": 2, "RunDirError": 2, "BackendUnavailableError": 2, "CheckpointError": 1,
+    "NonFiniteLossError": 1, "DiagnosticsError": 1,
+}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get("XLATRAIN_DEBUG", "") not in ("", "0")
+    args = build_parser().parse_args([a for a in argv if a != "--debug"])
     from xlatrain.backend.hardware import settle_libtpu_without_tpu, skip_idle_torch_tpu_autoload
     from xlatrain.logs import install_console_handler
 
@@ -134,9 +150,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     install_console_handler()
     try:
         return int(args.func(args))
-    except ValueError as exc:  # bad user input: the message already says what to change
+    except Exception as exc:
+        code = next((c for cls in type(exc).__mro__ for name, c in USER_ERRORS.items() if cls.__name__ == name), None)
+        if code is None or debug:
+            raise
         print(f"xlatrain: error: {exc}", file=sys.stderr)
-        return 2
+        return code
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import xlatrain. This hook runs at interpreter start (a ``.pth`` file in site-pa
 site.py processes them) and, only when no TPU chip is on the PCI bus, sets
 ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` (when torch_tpu is the only autoloaded backend) and
 ``TPU_SKIP_MDS_QUERY=1``; a value the user set is kept. On a TPU VM it changes nothing.
+``XLATRAIN_SITE_HOOK=0`` turns it off for a process; ``XLATRAIN_SITE_HOOK_SET`` says what it set.
 
 ``python -m xlatrain.site_hook install|remove|status`` (``make`` installs it into ``.venv``). The hook
 is a copy of ``xlatrain/backend/hardware.py`` (standard library only) beside the ``.pth`` file,
@@ -25,7 +26,7 @@ PTH_FILE = "xlatrain-quiet-tpu.pth"
 MODULE = "_xlatrain_quiet_tpu"
 # site.py executes a .pth line that starts with "import"; a failing hook must never stop Python.
 PTH_LINE = (
-    f"import sys; exec('try:\\n import {MODULE}\\n {MODULE}.quiet_dormant_tpu()\\nexcept Exception:\\n pass')\n"
+    f"import sys; exec('try:\\n import {MODULE}\\n {MODULE}.site_startup()\\nexcept Exception:\\n pass')\n"
 )
 
 

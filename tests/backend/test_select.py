@@ -11,7 +11,7 @@ def test_unknown_accelerator_lists_the_valid_names():
 
 def test_tpu_asked_for_without_one_says_what_was_found_and_what_to_do(monkeypatch):
     monkeypatch.delenv("PJRT_DEVICE", raising=False)
-    with pytest.raises(BackendUnavailableError, match=r"no TPU .*accelerator='xla' with devices=N"):
+    with pytest.raises(BackendUnavailableError, match=r"none can run here.*TPU chips on the PCI bus: 0.*accelerator='xla' with devices=N"):
         select_backend("tpu")
 
 

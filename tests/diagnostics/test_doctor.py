@@ -511,6 +511,8 @@ def _clean_process_env(tmp_path):
            if not k.startswith(("PJRT_", "XLA_", "XRT_", "TPU_", "CPU_NUM_DEVICES", "PT_XLA", "XLATRAIN_",
                                 "TORCH_DEVICE_BACKEND_AUTOLOAD", "LD_PRELOAD"))}
     env["HOME"] = str(tmp_path)
+    # The shell of an environment without xlatrain's start-up hook (.venv has one, see site_hook).
+    env["XLATRAIN_SITE_HOOK"] = "0"
     return env
 
 

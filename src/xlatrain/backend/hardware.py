@@ -188,13 +188,30 @@ def skip_idle_torch_tpu_autoload(
     return True
 
 
-def quiet_dormant_tpu(environ: dict[str, str] | None = None, pci_root: str | os.PathLike[str] = PCI_ROOT) -> None:
+def quiet_dormant_tpu(environ: dict[str, str] | None = None, pci_root: str | os.PathLike[str] = PCI_ROOT) -> list[str]:
     """On a host without a TPU, keep an installed TorchTPU/libtpu from loading or waiting: what the
     ``xlatrain`` command does before torch starts, and what the start-up hook of an environment
     (``python -m xlatrain.site_hook install``) does for every Python process in it, xlatrain or not.
-    On a host with a TPU chip on the PCI bus it changes nothing."""
-    skip_idle_torch_tpu_autoload(environ, pci_root)
-    settle_libtpu_without_tpu(environ, pci_root)
+    On a host with a TPU chip on the PCI bus it changes nothing. Returns the variables it set."""
+    done = []
+    if skip_idle_torch_tpu_autoload(environ, pci_root):
+        done.append("TORCH_DEVICE_BACKEND_AUTOLOAD=0")
+    if settle_libtpu_without_tpu(environ, pci_root):
+        done.append("TPU_SKIP_MDS_QUERY=1")
+    return done
+
+
+SITE_HOOK_OFF = "XLATRAIN_SITE_HOOK"  # =0 turns the start-up hook off for a process
+SITE_HOOK_SET = "XLATRAIN_SITE_HOOK_SET"  # what the hook set, for `xlatrain doctor` to say
+
+
+def site_startup() -> None:
+    """What the environment's start-up hook runs at interpreter start (see xlatrain.site_hook)."""
+    if os.environ.get(SITE_HOOK_OFF) == "0":
+        return
+    done = quiet_dormant_tpu()
+    if done:
+        os.environ[SITE_HOOK_SET] = ",".join(done)
 
 
 def torch_tpu_cache_env(enabled: bool, environ: dict[str, str] | None = None) -> dict[str, str]:

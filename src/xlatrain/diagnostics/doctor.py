@@ -1490,9 +1490,10 @@ def _torch_tpu_runtime_findings(
                 f"{_autoload_text(env)} and torch_tpu {facts.torch_tpu} is installed, so torch loads it (with "
                 f"libtpu and torch._dynamo) at every import; no TPU is on the PCI bus, so it registers no "
                 f"device; {measured}",
-                "export TORCH_DEVICE_BACKEND_AUTOLOAD=0 in this host's shell profile (xlatrain's own commands "
-                "set it for themselves on a host without a TPU), or pip uninstall torch_tpu where this "
-                "environment never runs on a TPU",
+                "python -m xlatrain.site_hook install: this environment's Python processes then set it (and "
+                "TPU_SKIP_MDS_QUERY=1) at start-up on a host without a TPU, and leave a TPU VM as it is (xlatrain's "
+                "own .venv is built so); or export TORCH_DEVICE_BACKEND_AUTOLOAD=0 in this host's shell profile, "
+                "or pip uninstall torch_tpu where this environment never runs on a TPU",
             )
         )
         if not _is_on(env.get("TPU_SKIP_MDS_QUERY", "")):

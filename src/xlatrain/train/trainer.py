@@ -47,6 +47,7 @@ from xlatrain.diagnostics.compile import CompileWatch
 from xlatrain.diagnostics.profile import StepTrace
 from xlatrain.diagnostics.run import RunDiagnostics
 from xlatrain.logs import ensure_console, get_logger
+from xlatrain import run_lock
 from xlatrain.progress import EpochProgress, interactive_terminal
 from xlatrain.report import write_history
 from xlatrain.tensorboard import TensorBoardLog
@@ -200,6 +201,7 @@ class Trainer:
         self._start_loss_sum: float | None = None  # the resumed epoch's loss sum, from the checkpoint
         self._tb: TensorBoardLog | None = None
         self._trace: StepTrace | None = None
+        self._lock: run_lock.RunLock | None = None  # held by the main process while fit runs
 
     # ----------------------------------------------------------------------------------------
     @property
@@ -217,14 +219,34 @@ class Trainer:
         Writes ``history.csv`` / ``history.json`` after every epoch, ``best.safetensors`` whenever
         the monitored metric improves, and checkpoints per ``checkpoint`` config.
 
+        Only one run writes a run directory at a time (``RUN_DIR/.xlatrain.lock``): a second one is
+        refused at once, naming the first.
+
         Args:
-            resume: ``"auto"`` continues from the newest checkpoint in ``run_dir`` that verifies
-                (a fresh start when there is none); a path continues from that checkpoint;
-                ``False`` starts fresh, in a new run directory if ``run_dir`` already holds a run.
+            resume: ``"auto"`` continues from the newest checkpoint in ``run_dir`` that verifies (a
+                fresh start in a directory without an earlier run; an error, changing nothing,
+                where the earlier run's checkpoints are all damaged or it left results without
+                one); a path (a checkpoint, or a run directory: its newest checkpoint) continues
+                from there; ``False`` starts fresh, in a new run directory if ``run_dir`` already
+                holds a run; ``"overwrite"`` deletes the earlier run's files in ``run_dir`` and
+                starts fresh there.
         """
-        cfg, rt, st = self.config, self.runtime, self.strategy
         ensure_console()
+        if not (resume in (False, "auto", "overwrite") or isinstance(resume, (str, os.PathLike))):
+            raise ValueError(
+                f"resume={resume!r} is not valid: use 'auto', False, 'overwrite', or the path of a checkpoint "
+                "or run directory"
+            )
         self._open_run_dir(resume)
+        try:
+            return self._fit(train_data, val_data, resume)
+        finally:
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
+
+    def _fit(self, train_data: Any, val_data: Any | None, resume: bool | str) -> list[dict[str, Any]]:
+        cfg, rt, st = self.config, self.runtime, self.strategy
         rt.seed_everything(cfg.seed)
         feed = _TrainFeed(self, train_data)
         if val_data is None and self.monitor.startswith("val_") and cfg.monitor is None:
@@ -262,6 +284,8 @@ class Trainer:
                 f"all {cfg.epochs} epoch(s) of this run are done: nothing to train. Raise epochs to train "
                 "on, or start over (resume=False; --fresh on the command line)."
             )
+        if first_epoch > cfg.epochs:
+            return self.history  # a finished run: every file stays as it is
         self._interactive = interactive_terminal(st.is_main)
         with contextlib.ExitStack() as run:
             # Each is closed however the run ends (finished, preempted, failed): event files
@@ -513,7 +537,10 @@ class Trainer:
         return {name: torch.zeros(()).to(self.runtime.device) for name in names}
 
     def _open_run_dir(self, resume: bool | str) -> None:
-        """``resume=False`` never writes into an existing run: it picks ``run_dir-2``, ``-3``, ..."""
+        """Pick the run directory, make it and lock it for this run (the main process does; every
+        process gets its verdict). ``resume=False`` never writes into an existing run: it picks
+        ``run_dir-2``, ``-3``, ...; ``"overwrite"`` clears the earlier run's files once locked."""
+        st = self.strategy
         base = Path(self.config.run_dir)
         if resume is False and _holds_a_run(base):
             n = 2
@@ -523,22 +550,40 @@ class Trainer:
             self._say(f"{base} holds an earlier run; resume=False starts this one in {self._run_dir}")
         else:
             self._run_dir = base
-        if self.strategy.is_main:
-            self._run_dir.mkdir(parents=True, exist_ok=True)
+        error, note = None, None
+        if st.is_main:
+            try:
+                _make_run_dir(self._run_dir)
+                self._lock = run_lock.acquire(self._run_dir)
+                note = run_lock.stale_note(self._lock)
+                if resume == "overwrite":
+                    removed = _clear_run(self._run_dir)
+                    if removed:
+                        note = (note + "; " if note else "") + (
+                            f"resume='overwrite': removed the earlier run's {', '.join(removed)} from {self._run_dir}")
+            except run_lock.RunDirError as exc:
+                error = str(exc)
+        # Every process learns the main process's verdict: a refused run stops everywhere, at once.
+        error, note = st.gather_objects((error, note))[0] if st.num_processes > 1 else (error, note)
+        if error is not None:
+            raise run_lock.RunDirError(error)
+        if note:
+            self._say(note)
 
     def _resume(self, resume: bool | str) -> tuple[Cursor, dict[str, torch.Tensor]]:
         rt, st = self.runtime, self.strategy
         cursor, sums = Cursor(), self._new_sums()
-        if resume is False:
+        if resume in (False, "overwrite"):
             return cursor, sums
         if resume == "auto":
-            found = find_resumable(self.run_dir / "checkpoints", group=st)
+            damaged: list[str] = []
+            found = find_resumable(self.run_dir / "checkpoints", group=st, failures=damaged)
             if found is None:
+                self._refuse_to_retrain(damaged)
                 return cursor, sums
             path, tensors, meta = found
         else:
-            path = Path(resume)
-            tensors, meta = read_checkpoint(path)
+            path, tensors, meta = _explicit_checkpoint(Path(resume), st)
         self._check_resumable(path, tensors, meta)
         if tensors is None:  # a sharded state: each process reads the chunks its layout needs
             st.load_sharded(path / SHARDS_DIR, self.model, self.optimizer, meta["sharded"])
@@ -566,6 +611,27 @@ class Trainer:
         epoch, step = cursor.next_position()
         self._say(f"resumed from {path}: continuing at epoch {epoch}, step {step} (optimizer step {cursor.global_step})")
         return cursor, sums
+
+    def _refuse_to_retrain(self, damaged: list[str]) -> None:
+        """An earlier run's results are never trained over unasked: when its checkpoints are all
+        damaged, or it left results and no checkpoint, stop before anything is written."""
+        run_dir = self.run_dir
+        ways = (
+            "Nothing was changed. To go on: resume from a checkpoint you trust (--resume PATH; "
+            "fit(resume=PATH)), start a new run directory (--fresh; resume=False), or start over here, "
+            "deleting this run's files (--overwrite; resume='overwrite')."
+        )
+        if damaged:
+            raise run_lock.RunDirError(
+                f"{run_dir} holds {len(damaged)} checkpoint(s) and none can be loaded: " + "; ".join(damaged) + ". "
+                + ways
+            )
+        left = [name for name in ("history.json", "best.safetensors") if (run_dir / name).exists()]
+        if left:
+            raise run_lock.RunDirError(
+                f"{run_dir} holds an earlier run's results ({', '.join(left)}) but no checkpoint to continue it from "
+                "(checkpoints were off, or removed); training here would replace them. " + ways
+            )
 
     def _check_resumable(self, path: Path, tensors: dict[str, torch.Tensor] | None, meta: dict[str, Any]) -> None:
         """Refuse, before anything is loaded, a checkpoint this run cannot continue; log what changed."""
@@ -785,6 +851,78 @@ def _epoch_line(row: dict[str, Any], epochs: int, monitor: str, improved: bool) 
     shown = [f"{k} {v:.4f}" for k, v in row.items() if k.startswith(("train_", "val_")) and "auc_" not in k]
     star = f"  (best {monitor})" if improved else ""
     return f"epoch {row['epoch']}/{epochs}  " + "  ".join(shown) + f"  {row['epoch_time_s']:.1f}s" + star
+
+
+# What xlatrain writes into a run directory: what resume="overwrite" removes (nothing else is).
+RUN_FILES = ("checkpoints", "history.json", "history.csv", "best.safetensors", "diagnostics.json", "tb", "profile",
+             "report", "config.yaml", "model.safetensors", "loss.png")
+
+
+def _make_run_dir(path: Path) -> None:
+    """Create the run directory, with errors that name the path and the fix."""
+    for parent in [path, *path.parents]:
+        if parent.exists() and not parent.is_dir():
+            what = "the run directory" if parent == path else f"{parent}, a parent of the run directory,"
+            raise run_lock.RunDirError(
+                f"{what} is a file, not a directory: give trainer.run_dir (TrainConfig(run_dir=...)) a directory path"
+            )
+        if parent.exists():
+            break
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise run_lock.RunDirError(
+            f"cannot create the run directory {path}: {exc.strerror or exc}. Give trainer.run_dir a path "
+            "this process can write"
+        ) from None
+    for sub in ("checkpoints", "tb"):
+        if (path / sub).exists() and not (path / sub).is_dir():
+            raise run_lock.RunDirError(
+                f"{path / sub} is a file, where xlatrain keeps a directory: move it away, or give this run another "
+                "directory (--fresh, or trainer.run_dir)"
+            )
+
+
+def _clear_run(path: Path) -> list[str]:
+    import shutil
+
+    removed = []
+    for name in RUN_FILES:
+        target = path / name
+        if target.is_dir():
+            shutil.rmtree(target)
+        elif target.exists():
+            target.unlink()
+        else:
+            continue
+        removed.append(name)
+    return removed
+
+
+def _explicit_checkpoint(path: Path, group: Any) -> tuple[Path, dict[str, torch.Tensor] | None, dict[str, Any]]:
+    """The checkpoint ``resume=PATH`` names: a checkpoint directory, or a run directory (its
+    newest checkpoint that verifies)."""
+    if not path.exists():
+        raise run_lock.RunDirError(
+            f"resume={str(path)!r}: no such file or directory. Give a checkpoint (RUN_DIR/checkpoints/step-NNNNNNNN) "
+            "or a run directory"
+        )
+    if (path / "checkpoints").is_dir() and not (path / "meta.json").exists():
+        damaged: list[str] = []
+        found = find_resumable(path / "checkpoints", group=group, failures=damaged)
+        if found is None:
+            raise run_lock.RunDirError(
+                f"resume={str(path)!r}: this run directory holds no checkpoint that loads"
+                + (f" ({'; '.join(damaged)})" if damaged else "")
+            )
+        return found
+    if not (path / "meta.json").exists():
+        raise run_lock.RunDirError(
+            f"resume={str(path)!r} is not a checkpoint (no meta.json in it): give a checkpoint directory "
+            "(RUN_DIR/checkpoints/step-NNNNNNNN) or a run directory"
+        )
+    tensors, meta = read_checkpoint(path)
+    return path, tensors, meta
 
 
 def _holds_a_run(path: Path) -> bool:
