@@ -203,12 +203,21 @@ def _next_name(root: Path, step: int) -> str:
     return name
 
 
-def _save_failed(root: Path, name: str, exc: OSError, where: Path) -> CheckpointError:
+def _save_failed(root: Path, name: str, exc: OSError, where: Path, size: int | None = None) -> CheckpointError:
+    import shutil
+
     latest = latest_name(root)
+    try:
+        free = shutil.disk_usage(root if root.exists() else root.parent).free
+        room = f" The disk holding it has {free / 1e6:,.1f} MB free" + (
+            f"; this checkpoint takes {size / 1e6:,.1f} MB." if size else ".")
+    except OSError:
+        room = ""
     return CheckpointError(
         f"could not save checkpoint {root / name}: {exc.strerror or exc} "
         f"({exc.filename or where}); temporary files removed; the latest checkpoint is still "
-        f"{latest or 'none'}. Free disk space or fix permissions on {root}."
+        f"{latest or 'none'}.{room} Free disk space or fix permissions on {root}, then run the same command "
+        "again to continue from the latest checkpoint."
     )
 
 
@@ -232,6 +241,7 @@ def write_checkpoint(root: str | os.PathLike[str], step: int, tensors: dict[str,
     root = Path(root)
     name = _next_name(root, step)
     tmp = root / f".tmp-{name}-{os.getpid()}"
+    blob = b""
     try:
         root.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
@@ -240,7 +250,7 @@ def write_checkpoint(root: str | os.PathLike[str], step: int, tensors: dict[str,
         _commit(tmp, root, name, dict(meta, name=name, files={STATE_FILE: _sha256(blob)}))
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise _save_failed(root, name, exc, tmp) from exc
+        raise _save_failed(root, name, exc, tmp, size=len(blob) or None) from exc
     return root / name
 
 

@@ -46,6 +46,22 @@ def _positive_int(name: str, value: Any, minimum: int = 1) -> None:
         raise ValueError(f"{name}={value!r} is not valid: it must be an integer >= {minimum}")
 
 
+def check_int(name: str, value: Any, minimum: int = 1) -> None:
+    """An integer key at least ``minimum``, or a ValueError naming it (for recipes' data sections)."""
+    _positive_int(name, value, minimum)
+
+
+def check_fraction(name: str, value: Any) -> None:
+    """A number strictly between 0 and 1, or a ValueError naming the key."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
+        raise ValueError(f"{name}={value!r} is not valid: give a fraction between 0 and 1, e.g. 0.2")
+
+
+def check_nonnegative(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ValueError(f"{name}={value!r} is not valid: give a number >= 0")
+
+
 @dataclass(frozen=True, kw_only=True)
 class BackendConfig:
     """Where a run executes.
@@ -271,6 +287,8 @@ def from_dict(cls: type[C], values: dict[str, Any], section: str | None = None) 
         )
     for key, value in values.items():
         annotation = str(fields[key].type)
+        if value is None and not _type_ok(value, annotation):
+            raise ValueError(f"{where}{key} has no value (YAML's empty or null): give one ({annotation})")
         if not _type_ok(value, annotation):
             raise ValueError(f"{where}{key}={value!r} has the wrong type: expected {annotation}")
     try:
@@ -319,6 +337,13 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("model.name is empty: give a model name such as 'resnet18'")
+        if self.width is not None:
+            _positive_int("model.width", self.width)
+        if self.blocks is not None:
+            if not isinstance(self.blocks, (list, tuple)) or not self.blocks:
+                raise ValueError(f"model.blocks={self.blocks!r} is not valid: give residual blocks per stage, e.g. [2, 2, 2, 2]")
+            for n in self.blocks:
+                _positive_int("each of model.blocks", n)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -435,8 +460,10 @@ def load_run_config(path: str, overrides: list[str] | None = None) -> RunConfig:
     from pathlib import Path
 
     p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{path} is a directory, not a config file: give the path of a YAML config, e.g. configs/digits.yaml")
     if not p.is_file():
-        raise ValueError(f"config file {path} does not exist")
+        raise ValueError(f"config file {path} does not exist: give the path of a YAML config, e.g. configs/digits.yaml")
     return run_config_from_dict(apply_overrides(load_yaml(p.read_text(), source=str(p)), overrides or []))
 
 

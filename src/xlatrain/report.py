@@ -39,11 +39,30 @@ def write_history(run_dir: str | Path, rows: Sequence[dict[str, Any]]) -> None:
     atomic_write_text(run_dir / "history.json", json.dumps(clean, indent=2) + "\n")
 
 
+def _check_out(out: Path) -> None:
+    for parent in [out, *out.parents]:
+        if parent.exists() and not parent.is_dir():
+            raise ValueError(f"{parent} is a file: give --out a directory for the report (it is created if missing)")
+        if parent.exists():
+            return
+
+
 def read_history(run_dir: str | Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / "history.json"
     if not path.is_file():
-        raise FileNotFoundError(f"no history at {path}: is {run_dir} a run directory?")
-    return json.loads(path.read_text())
+        raise FileNotFoundError(
+            f"no history at {path}: is {run_dir} a run directory? Give the run_dir of an `xlatrain fit` run"
+        )
+    try:
+        rows = json.loads(path.read_text())
+    except ValueError as exc:
+        raise ValueError(
+            f"{path} is not valid JSON ({exc}): it was edited or damaged. Restore it from history.csv or a backup, "
+            "or delete it and rerun the run's last epoch (it is rewritten after every epoch)"
+        ) from None
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise ValueError(f"{path} does not hold a list of epoch rows: restore it, or delete it and rerun the run")
+    return rows
 
 
 def plot_loss_curve(run_dir: str | Path, rows: Sequence[dict[str, Any]]) -> Path:
@@ -139,6 +158,7 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
     run_dir = Path(run_dir)
     rows = _history(run_dir)
     out = Path(out_dir) if out_dir is not None else run_dir / "report"
+    _check_out(out)
     epochs = [r["epoch"] for r in rows]
 
     def series(key: str) -> list[float]:
@@ -300,6 +320,7 @@ def write_comparison(run_dirs: Sequence[str | Path], out_dir: str | Path | None 
         r["label"] = f"{r['name']} ({shown}{more})" if shown else r["name"]
 
     out = Path(out_dir) if out_dir is not None else dirs[0] / "report" / "compare"
+    _check_out(out)
     plots = _comparison_plots(runs)
     for name, draw in plots.items():
         atomic_write_bytes(out / name, _figure_png(draw, _COMPARE_SIZE))

@@ -17,7 +17,7 @@ def test_tuples_of_tensors_stack_column_by_column_like_any_tree():
 def test_mixed_leaves_and_differing_items_take_the_general_path():
     mixed = collate([(torch.zeros(2), 1), (torch.ones(2), 2)])  # a number leaf becomes a tensor
     assert torch.equal(mixed[1], torch.tensor([1, 2]))
-    with pytest.raises(ValueError, match="dataset items 0 and 1 differ in structure"):
+    with pytest.raises(ValueError, match="dataset items 0 and 1 of one batch differ in structure"):
         collate([(torch.zeros(2), torch.zeros(1)), (torch.zeros(2),)])
     with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size"):
         collate([(torch.zeros(2),), (torch.zeros(3),)])

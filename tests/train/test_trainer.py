@@ -169,8 +169,11 @@ def test_items_that_are_not_pairs_are_a_clear_error(tmp_path):
 
 def test_an_unknown_monitor_names_the_columns(tmp_path):
     trainer = _trainer(tmp_path, batch_size=8, monitor="val_f1", monitor_mode="max")
-    with pytest.raises(ValueError, match=r"monitor='val_f1' is not a history column; available: .*val_accuracy"):
+    with pytest.raises(ValueError, match=r"monitor='val_f1' is not a column this run's history will have; it will "
+                                         r"have .*val_accuracy.*val_loss.*Set monitor"):
         trainer.fit(_classification(32), _classification(10))
+    # Refused before the first step: nothing was trained or written.
+    assert not (tmp_path / "run" / "history.json").exists() and not list(tmp_path.glob("run/checkpoints/*"))
 
 
 def test_functional_losses_with_a_reduction_argument_evaluate(tmp_path):

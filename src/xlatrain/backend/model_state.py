@@ -140,6 +140,43 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None)
     return out
 
 
+# Tensors of optimizer state per parameter, of the parameter's size, for optimizers whose state
+# does not exist yet (before the first step): what each of torch's keeps.
+OPTIMIZER_STATE_PER_PARAM = {
+    "Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "Adadelta": 2, "Rprop": 2, "ASGD": 1,
+    "Adagrad": 1, "SparseAdam": 2,
+}
+
+
+def _optimizer_multiple(optimizer: torch.optim.Optimizer) -> int:
+    name = type(optimizer).__name__
+    defaults = optimizer.defaults
+    if name == "SGD":
+        return 1 if defaults.get("momentum") else 0
+    if name == "RMSprop":
+        return 1 + bool(defaults.get("momentum")) + bool(defaults.get("centered"))
+    return OPTIMIZER_STATE_PER_PARAM.get(name, 2)
+
+
+def checkpoint_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, int]:
+    """``(weights, optimizer state)``: bytes a checkpoint of the whole model holds (every process's
+    part together), from the real tensors; optimizer state not made yet is estimated from its kind."""
+    weights, _ = distinct_weights(module)
+    weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())  # a DTensor's numel is whole
+    if optimizer.state:
+        seen: set[int] = set()
+        optim_bytes = 0
+        for st in optimizer.state.values():
+            for v in st.values():
+                if isinstance(v, torch.Tensor) and id(v) not in seen:
+                    seen.add(id(v))
+                    optim_bytes += v.numel() * v.element_size()
+    else:
+        params = {id(p): p for g in optimizer.param_groups for p in g["params"]}.values()
+        optim_bytes = _optimizer_multiple(optimizer) * sum(p.numel() * p.element_size() for p in params)
+    return weight_bytes, optim_bytes
+
+
 def whole_weights_read(
     module: torch.nn.Module, read: Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

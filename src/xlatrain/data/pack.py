@@ -75,6 +75,10 @@ class PackOptions:
         shard_bytes: target shard size; a shard closes when the next image would exceed it.
         workers: processes that read and check images.
         progress: print a progress line to stderr.
+        replace: replace an earlier pack in ``out_dir`` made from other inputs (another CSV or
+            its other content, another image folder, other labels, group or paths); without it
+            that is an error naming what differs, and nothing is written. Another layout of the
+            same records (shard size, re-encoding) updates the pack in place.
     """
 
     path_columns: tuple[str, ...] = ()
@@ -87,6 +91,7 @@ class PackOptions:
     shard_bytes: int = 128 * 2**20
     workers: int = 1
     progress: bool = True
+    replace: bool = False
 
     def __post_init__(self) -> None:
         for name in ("path_columns", "labels"):
@@ -364,7 +369,8 @@ def pack(
     Args:
         csv_path: one row per image.
         image_dir: the folder image paths are relative to.
-        out_dir: the shard directory (created; an earlier pack there is updated in place).
+        out_dir: the shard directory (created; an earlier pack of the same inputs there is updated
+            in place, one of other inputs replaced only with ``replace=True``).
         **options: fields of :class:`PackOptions`.
 
     Returns:
@@ -377,11 +383,23 @@ def pack(
     """
     opts = PackOptions(**options)
     csv_path, image_dir, out_dir = Path(csv_path), Path(image_dir), Path(out_dir)
-    if not image_dir.is_dir():
-        raise ValueError(f"image folder {image_dir} does not exist: pass the folder the CSV's image paths are relative to")
     if not csv_path.is_file():
-        raise ValueError(f"CSV file {csv_path} does not exist")
+        raise ValueError(f"CSV file {csv_path} does not exist: give --csv the CSV with one row per image")
+    if not image_dir.is_dir():
+        raise ValueError(
+            f"image folder {image_dir} does not exist: give --images the folder the CSV's image paths are relative to"
+        )
+    _check_out_dir(out_dir)
     template = opts.template
+    # Paths relative to the pack: the record stays true when the whole tree moves.
+    source = {
+        "csv": os.path.relpath(csv_path.resolve(), out_dir.resolve()), "csv_sha256": file_sha256(csv_path),
+        "images": os.path.relpath(image_dir.resolve(), out_dir.resolve()),
+        "labels": list(opts.labels), "group": opts.group, "path_template": template, "max_side": opts.max_side,
+        "quality": opts.quality if opts.max_side is not None else None, "shard_bytes": opts.shard_bytes,
+    }
+    if not opts.replace:
+        _refuse_other_inputs(out_dir, source)
     # utf-8-sig: spreadsheets write a byte-order mark before the header.
     with open(csv_path, newline="", encoding="utf-8-sig") as csv_file:
         reader = csv.DictReader(csv_file)
@@ -443,6 +461,7 @@ def pack(
         "quality": opts.quality if opts.max_side is not None else None,
         "shard_bytes": opts.shard_bytes,
         "shards": shards,
+        "source": source,  # what it was packed from: a pack onto it from other inputs is refused
         "num_skipped": len(skipped),
         "skipped": [{"line": s.line, "path": s.path, "reason": s.reason} for s in skipped],
     }
@@ -465,6 +484,41 @@ def pack(
         label_names=label_names,
         skipped=tuple(skipped),
     )
+
+
+def _check_out_dir(out_dir: Path) -> None:
+    for parent in [out_dir, *out_dir.parents]:
+        if parent.exists() and not parent.is_dir():
+            what = f"--out {out_dir}" if parent == out_dir else f"{parent}, a parent of --out {out_dir},"
+            raise ValueError(f"{what} is a file: give --out a directory (it is created if missing)")
+        if parent.exists():
+            return
+
+
+def _refuse_other_inputs(out_dir: Path, source: dict[str, Any]) -> None:
+    """An earlier pack in ``out_dir`` is updated only when made from the same inputs."""
+    manifest_path = out_dir / MANIFEST_NAME
+    if not manifest_path.is_file():
+        return
+    try:
+        earlier = json.loads(manifest_path.read_text())
+    except ValueError:
+        earlier = {}
+    before = earlier.get("source")
+    what = f"{out_dir} holds an earlier pack of {earlier.get('num_records', '?')} records"
+    fix = "Pass --replace (pack(..., replace=True)) to replace it, or give --out another directory"
+    if before is None:
+        raise ValueError(f"{what} whose inputs are not recorded, so this pack may not be of the same data. {fix}")
+    names = {"csv": "the CSV", "csv_sha256": "the CSV's content", "images": "the image folder",
+             "labels": "--labels", "group": "--group", "path_template": "the image paths",
+             "max_side": "--max-side", "quality": "--quality", "shard_bytes": "--shard-mb"}
+    # The data's identity, not its layout: another shard size or re-encoding of the same records
+    # updates the pack in place.
+    layout = ("max_side", "quality", "shard_bytes")
+    differs = [f"{names.get(k, k)}: {before.get(k)!r} -> {v!r}" if k != "csv_sha256" else f"{names[k]} changed"
+               for k, v in source.items() if k not in layout and before.get(k) != v]
+    if differs:
+        raise ValueError(f"{what} made from other inputs ({'; '.join(differs)}); packing would replace it. {fix}")
 
 
 # --------------------------------------------------------------------------------------------

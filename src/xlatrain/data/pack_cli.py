@@ -28,7 +28,7 @@ def add_pack_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("--csv", help="CSV file with one row per image")
     parser.add_argument("--images", help="folder the CSV's image paths are relative to")
-    parser.add_argument("--out", help="shard directory to write (an earlier pack there is updated)")
+    parser.add_argument("--out", help="shard directory to write (an earlier pack of the same inputs there is updated)")
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--path-columns", nargs="+", metavar="COLUMN", help="columns joined with / into each image path")
     where.add_argument("--path-column", metavar="COLUMN", help="one column holding each image's relative path")
@@ -46,6 +46,8 @@ def add_pack_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes (default: all cores)")
     parser.add_argument("--verify", metavar="DIR", help="check every checksum and decode every record of DIR, then exit")
     parser.add_argument("--quiet", action="store_true", help="no progress line")
+    parser.add_argument("--replace", action="store_true",
+                        help="replace an earlier pack in --out made from other inputs (refused without it)")
     parser.set_defaults(func=run_pack_command)
     return parser
 
@@ -55,6 +57,8 @@ def run_pack_command(args: argparse.Namespace) -> int:
     from xlatrain.data.pack import pack, verify
 
     if args.verify:
+        if not os.path.isdir(args.verify):
+            raise ValueError(f"--verify {args.verify}: no such directory; give the shard directory `xlatrain pack --out` wrote")
         report = verify(args.verify, workers=args.workers, progress=not args.quiet)
         print(report.describe(), file=sys.stderr)
         return 0 if report.ok else 1
@@ -82,6 +86,7 @@ def run_pack_command(args: argparse.Namespace) -> int:
         shard_bytes=int(args.shard_mb * 2**20),
         workers=args.workers,
         progress=not args.quiet,
+        replace=args.replace,
     )
     print(summary.describe(), file=sys.stderr)
     return 0 if summary.num_records > 0 else 1

@@ -44,6 +44,13 @@ class DataConfig:
     val_fraction: float = 0.2
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        from xlatrain.config import check_fraction, check_int
+
+        check_int("data.image_size", self.image_size, minimum=8)
+        check_fraction("data.val_fraction", self.val_fraction)
+        check_int("data.seed", self.seed, minimum=0)
+
 
 def build(config: Any) -> Any:
     """The digits recipe for ``xlatrain fit`` (``model.name``: small_cnn or any classifier)."""

@@ -108,6 +108,6 @@ def run(config: RunConfig, resume: bool | str = "auto") -> tuple[Trainer, list[d
     """Build the recipe, train it, and leave ``config.yaml`` (resolved) in the run directory."""
     trainer, parts = build_trainer(config)
     history = trainer.fit(parts.train_data, parts.val_data, resume=resume)
-    if trainer.backend.is_main:
+    if trainer.backend.is_main and trainer.epochs_trained:  # a finished run's rerun leaves its files as they are
         atomic_write_text(trainer.run_dir / "config.yaml", dump_yaml(config))
     return trainer, history

@@ -47,15 +47,25 @@ def collate(items: Sequence[Any]) -> Any:
     for i, (_, spec) in enumerate(specs[1:], start=1):
         if spec != first_spec:
             raise ValueError(
-                f"dataset items 0 and {i} differ in structure ({_describe(first_spec)} vs {_describe(spec)}): "
-                "every item must have the same keys, fields and nesting"
+                f"dataset items 0 and {i} of one batch differ in structure ({_describe(first_spec)} vs "
+                f"{_describe(spec)}): every item must have the same keys, fields and nesting, an "
+                "(inputs, targets) pair by default (or give the Trainer inputs=/targets= names)"
             )
     columns = zip(*(leaves for leaves, _ in specs))
-    return tree_unflatten([_stack(list(col)) for col in columns], first_spec)
+    return tree_unflatten([_stack(list(col), k) for k, col in enumerate(columns)], first_spec)
 
 
-def _stack(values: list[Any]) -> Any:
+def _stack(values: list[Any], field: int = 0) -> Any:
     first = values[0]
+    if isinstance(first, (torch.Tensor, np.ndarray)):
+        shapes = [tuple(v.shape) for v in values]
+        differs = next((i for i, shape in enumerate(shapes) if shape != shapes[0]), None)
+        if differs is not None:
+            raise ValueError(
+                f"dataset items of one batch have tensors of different shapes: {shapes[0]} in item 0 and "
+                f"{shapes[differs]} in item {differs} (field {field} of each item). Batched items must have the "
+                "same shape: resize or pad them in the dataset"
+            )
     if isinstance(first, torch.Tensor):
         return torch.stack(values)
     if isinstance(first, np.ndarray):

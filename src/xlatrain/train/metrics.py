@@ -7,7 +7,7 @@ every sum, so each real sample counts exactly once whatever the batch and device
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -132,7 +132,13 @@ class EvalAccumulator:
                 probs = torch.sigmoid(outputs)
                 out.update(multilabel_auc(probs.numpy(), targets.numpy(), label_names))
             if metrics_fn is not None:
-                out.update({k: float(v) for k, v in metrics_fn(outputs, targets).items()})
+                found = metrics_fn(outputs, targets)
+                if not isinstance(found, Mapping):
+                    raise TypeError(
+                        f"metrics_fn {metrics_fn!r} returned a {type(found).__name__}, not a mapping: return "
+                        "{name: value}, e.g. {'f1': f1}; each becomes the history column val_<name>"
+                    )
+                out.update({k: float(v) for k, v in found.items()})
         return out
 
 

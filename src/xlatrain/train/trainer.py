@@ -13,22 +13,25 @@ import dataclasses
 import json
 import math
 import os
+import re
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from xlatrain.backend import Backend, from_config, select_backend
 from xlatrain.backend.base import host_rng_state, set_host_rng_state
-from xlatrain.backend.model_state import has_meta_tensors
+from xlatrain.backend.model_state import checkpoint_bytes, has_meta_tensors
 from xlatrain.backend.precision import Precision
 from xlatrain.checkpoint import (
     SHARDS_DIR,
+    CheckpointError,
     distinct_weights,
     SHARDS_INDEX,
     find_resumable,
@@ -144,6 +147,7 @@ class Trainer:
         targets: str | Sequence[str] | None = None,
     ) -> None:
         ensure_console()  # messages from here on (scale_lr, resume) reach a console
+        _check_arguments(model, loss_fn, optimizer_fn, scheduler_fn, config, checkpoint, metrics_fn)
         self.config = cfg = config or TrainConfig()
         self.checkpoint = checkpoint or CheckpointConfig()
         self.layout = BatchLayout(inputs, targets)
@@ -177,6 +181,11 @@ class Trainer:
         # gradients, eval without) gets its own graph.
         self._forward = rt.compile(self.model) if cfg.compile else self.model
         self.optimizer = optimizer_fn(st.unwrap(self.model).parameters())
+        if not isinstance(self.optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer_fn returned a {type(self.optimizer).__name__}, not a torch.optim.Optimizer: it must build "
+                "the optimizer from the parameters it is given, e.g. functools.partial(torch.optim.AdamW, lr=1e-3)"
+            )
         if cfg.scale_lr and st.world_size > 1:
             before = [g["lr"] for g in self.optimizer.param_groups]
             for g in self.optimizer.param_groups:
@@ -202,6 +211,8 @@ class Trainer:
         self._tb: TensorBoardLog | None = None
         self._trace: StepTrace | None = None
         self._lock: run_lock.RunLock | None = None  # held by the main process while fit runs
+        self._feed: _TrainFeed | None = None
+        self.epochs_trained = 0  # epochs the last fit call trained (0: it found nothing to train)
 
     # ----------------------------------------------------------------------------------------
     @property
@@ -247,8 +258,12 @@ class Trainer:
 
     def _fit(self, train_data: Any, val_data: Any | None, resume: bool | str) -> list[dict[str, Any]]:
         cfg, rt, st = self.config, self.runtime, self.strategy
+        self.epochs_trained = 0
+        _check_dataset("train_data", train_data)
+        if val_data is not None:
+            _check_dataset("val_data", val_data)
         rt.seed_everything(cfg.seed)
-        feed = _TrainFeed(self, train_data)
+        self._feed = feed = _TrainFeed(self, train_data)
         if val_data is None and self.monitor.startswith("val_") and cfg.monitor is None:
             self.monitor, self.monitor_mode = "train_loss", "min"  # nothing validated to monitor
         self._config_record = {
@@ -265,6 +280,8 @@ class Trainer:
         self._start_loss_sum = None
         cursor, sums = self._resume(resume)
         self.history = cursor.history
+        if self.checkpoint.enabled and cursor.next_position()[0] <= cfg.epochs:
+            self._check_disk_room()
         self._say(
             f"xlatrain: {self.backend.describe()} | global batch {self.global_batch_size * cfg.grad_accum_steps} = "
             f"{cfg.batch_size} per device x {st.world_size} device(s)"
@@ -314,6 +331,7 @@ class Trainer:
                 row["epoch_time_s"] = round(time.perf_counter() - started, 3)
                 sums, start_step = self._new_sums(), 0
                 self._finish_epoch(row, cursor, sums)
+                self.epochs_trained += 1
                 if self._patience_spent(cursor):
                     self._say(
                         f"early stop: {self.monitor} has not improved for {cfg.early_stop_patience} epoch(s) "
@@ -338,7 +356,8 @@ class Trainer:
         self.history.append(row)
         cursor.epoch_done = True
         if st.is_main:
-            write_history(self.run_dir, self.history)
+            with _writing(self.run_dir / "history.json"):
+                write_history(self.run_dir, self.history)
         tb = self._tb
         if tb is not None:
             tb.epoch(cursor.epoch, cursor.global_step, {**row, f"best_{self.monitor}": cursor.best})
@@ -352,6 +371,7 @@ class Trainer:
     def evaluate(self, data: Any) -> dict[str, float]:
         """Loss and task metrics over ``data``, every sample counted exactly once."""
         rt, st = self.runtime, self.strategy
+        _check_dataset("data", data)
         if self._eval_loss is None:
             self._dry_run(None, data)
         assert self._eval_loss is not None
@@ -378,6 +398,7 @@ class Trainer:
         dataclasses read through the Trainer's ``inputs=`` keys. Models returning several tensors
         (a tuple or dict) get the same structure back, each stacked.
         """
+        _check_dataset("data", data)
         batches, layout = self._eval_batches(data)
         rows = RowCollector(self.runtime, self.strategy, layout)
         self.model.eval()
@@ -415,11 +436,18 @@ class Trainer:
                     if data is None:
                         continue
                     device = self.runtime.device
-                    batch = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, _first_batch(data))
+                    host_batch = _first_batch(data)
+                    batch = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, host_batch)
                     args, targets = self.layout.split(batch)
+                    _check_class_targets(self.loss_fn, self.layout.split(host_batch)[1])
                     with self.precision.autocast():
                         outputs = model(*args)
-                        _, terms = loss_terms(self.loss_fn(outputs, targets))
+                        _check_class_outputs(self.loss_fn, outputs, self.layout.split(host_batch)[1])
+                        with warnings.catch_warnings(record=True) as caught:
+                            warnings.simplefilter("always")
+                            result = self.loss_fn(outputs, targets)
+                    _refuse_broadcast_loss(caught, self.loss_fn)
+                    _, terms = loss_terms(result)
                     if role == "training":
                         self._term_names = list(terms)
                     if role == "validation" or self._eval_loss is None:
@@ -438,6 +466,31 @@ class Trainer:
         finally:
             set_host_rng_state(host_rng)
             model.train(was_training)
+        if train_data is not None:
+            self._check_monitor(val_data)
+
+    def _check_monitor(self, val_data: Any | None) -> None:
+        """``monitor`` must name a column this run's history will have: known after the dry run
+        (the loss's terms, the task's metrics), checked before the first step."""
+        prefixes = ["train_"] + (["val_"] if val_data is not None else [])
+        columns = {f"{p}{t}" for p in prefixes for t in ("loss", *self._term_names)}
+        if val_data is not None and self.task == "classification":
+            columns.add("val_accuracy")
+        if val_data is not None and self.task == "multilabel":
+            columns.add("val_mean_auc")
+            columns |= {f"val_auc_{name}" for name in self.label_names or ()}
+        columns |= {"lr", "epoch_time_s"} | ({"input_bound_share"} if self.config.diagnostics else set())
+        unknowable = val_data is not None and (
+            (self.metrics_fn is not None and self.monitor.startswith("val_"))
+            or (self.task == "multilabel" and self.label_names is None and self.monitor.startswith("val_auc_"))
+        )
+        if self.monitor not in columns and not unknowable:
+            raise ValueError(
+                f"monitor={self.monitor!r} is not a column this run's history will have; it will have "
+                f"{', '.join(sorted(columns))}"
+                + ("" if val_data is not None else " (no validation data was given, so no val_ columns)")
+                + ". Set monitor (trainer.monitor) to one of them, with monitor_mode for a name of your own"
+            )
 
     # ----------------------------------------------------------------------------------------
     def _train_epoch(
@@ -500,10 +553,18 @@ class Trainer:
         accum, guard = cfg.grad_accum_steps, cfg.nan_policy == "skip_step"
         args, targets = self.layout.split(batch)
         rt.step_begin(((cfg.seed * 1_000_003 + cursor.epoch) * 1_000_003 + step) % 2**62)
-        with contextlib.nullcontext() if last_micro else st.no_sync(model):
+        with contextlib.nullcontext() if last_micro else st.no_sync(model), _in_step(self, cursor, step) as where:
             with self.precision.autocast():
                 outputs = self._forward(*args)
+                where[0] = f"loss_fn {self.loss_fn!r}"
                 loss, terms = loss_terms(self.loss_fn(outputs, targets))  # shapes only: no sync
+                where[0] = "backward"
+            if not loss.requires_grad:  # host metadata: no device read
+                raise ValueError(
+                    f"loss_fn {self.loss_fn!r} returned a loss that does not depend on the model's parameters (no "
+                    "grad_fn), so nothing can be trained: it was detached, turned into a number (.item(), float()) "
+                    "and back, or computed from the targets alone. Return the loss tensor computed from the outputs"
+                )
             (loss / accum if accum > 1 else loss).backward()
         if list(terms) != self._term_names:
             raise ValueError(
@@ -611,6 +672,27 @@ class Trainer:
         epoch, step = cursor.next_position()
         self._say(f"resumed from {path}: continuing at epoch {epoch}, step {step} (optimizer step {cursor.global_step})")
         return cursor, sums
+
+    def _check_disk_room(self) -> None:
+        """Refuse, before the first step, a run whose disk cannot hold two checkpoints (the newest
+        and the one being written), estimated from the model's and optimizer's real tensors."""
+        import shutil
+
+        weights, optim = checkpoint_bytes(self.strategy.unwrap(self.model), self.optimizer)
+        error = None
+        if self.strategy.is_main:
+            free = shutil.disk_usage(self.run_dir).free
+            need = 2 * (weights + optim)
+            if free < need:
+                error = (
+                    f"the disk holding {self.run_dir} has {_mb(free)} free, and this run needs about {_mb(need)} "
+                    f"for two checkpoints (each about {_mb(weights)} of weights and {_mb(optim)} of optimizer "
+                    "state; a run keeps the newest while it writes the next). Free at least "
+                    f"{_mb(need - free)}, or point trainer.run_dir at a larger disk"
+                )
+        error = self.strategy.gather_objects(error)[0] if self.strategy.num_processes > 1 else error
+        if error is not None:
+            raise run_lock.RunDirError(error)
 
     def _refuse_to_retrain(self, damaged: list[str]) -> None:
         """An earlier run's results are never trained over unasked: when its checkpoints are all
@@ -729,7 +811,10 @@ class Trainer:
     def _track_best(self, row: dict[str, Any], cursor: Cursor) -> bool:
         monitor = self.monitor
         if monitor not in row:
-            raise ValueError(f"monitor={monitor!r} is not a history column; available: {', '.join(row)}")
+            raise ValueError(
+                f"monitor={monitor!r} is not a history column; available: {', '.join(row)}. Set monitor "
+                "(trainer.monitor) to one of them"
+            )
         value, best = row[monitor], cursor.best
         improved = not math.isnan(value) and (
             math.isnan(best) or (value > best if self.monitor_mode == "max" else value < best)
@@ -738,7 +823,8 @@ class Trainer:
             cursor.best, cursor.best_epoch = value, row["epoch"]
             if self.config.save_best:
                 # Under a sharded strategy the weights are gathered onto the main process here.
-                self.save_weights(self.run_dir / "best.safetensors")
+                with _writing(self.run_dir / "best.safetensors"):
+                    self.save_weights(self.run_dir / "best.safetensors")
         return improved
 
     def _layout(self, per_device: int) -> dict[str, int]:
@@ -752,7 +838,7 @@ class Trainer:
     def _data_loader(self, dataset: Any, sampler: Any) -> DataLoader[Any]:
         cfg = self.config
         return DataLoader(
-            dataset,
+            dataset if isinstance(dataset, (_Items, PaddedDataset)) else _Items(dataset),
             batch_size=sampler.loader_batch,
             sampler=sampler,
             collate_fn=collate,
@@ -769,7 +855,7 @@ class Trainer:
         if isinstance(dataset, BatchSource):
             host: Iterable[Any] = dataset.eval_batches(**layout)
         else:
-            host = self._data_loader(PaddedDataset(dataset, len(dataset)), sampler)
+            host = self._data_loader(PaddedDataset(_Items(dataset), len(dataset)), sampler)
         return self.runtime.wrap_loader(host, self.strategy.input_sharding), sampler
 
     def _interval(
@@ -796,6 +882,59 @@ class Trainer:
             log.info(message)
 
 
+def _check_arguments(
+    model: Any, loss_fn: Any, optimizer_fn: Any, scheduler_fn: Any, config: Any, checkpoint: Any, metrics_fn: Any
+) -> None:
+    """What the Trainer is handed has the kind it needs, or a TypeError saying what to pass."""
+    if not isinstance(model, torch.nn.Module):
+        what = "None" if model is None else (
+            f"{model!r} is a function" if callable(model) else f"{type(model).__name__}")
+        raise TypeError(
+            f"model {what}, not a torch.nn.Module: pass the module (an nn.Module subclass, or wrap a function's "
+            "layers in one), so that its parameters can be trained and saved"
+            if model is not None else
+            "model is None: pass the torch.nn.Module to train"
+        )
+    if not callable(loss_fn):
+        raise TypeError(
+            f"loss_fn {loss_fn!r} is not callable: pass loss_fn(outputs, targets) -> loss, e.g. nn.CrossEntropyLoss()"
+        )
+    if isinstance(optimizer_fn, torch.optim.Optimizer) or not callable(optimizer_fn):
+        what = f"is an optimizer ({type(optimizer_fn).__name__})" if isinstance(optimizer_fn, torch.optim.Optimizer) \
+            else f"{optimizer_fn!r} is not callable"
+        raise TypeError(
+            f"optimizer_fn {what}: pass a factory that builds the optimizer from the parameters once they are on the "
+            "device, e.g. functools.partial(torch.optim.SGD, lr=0.1)"
+        )
+    if scheduler_fn is not None and (
+        isinstance(scheduler_fn, torch.optim.lr_scheduler.LRScheduler) or not callable(scheduler_fn)
+    ):
+        what = "is a scheduler (already built on another optimizer)" if callable(getattr(scheduler_fn, "step", None)) \
+            else f"{scheduler_fn!r} is not callable"
+        raise TypeError(
+            f"scheduler_fn {what}: pass a factory that builds it from the optimizer, e.g. "
+            "functools.partial(torch.optim.lr_scheduler.StepLR, step_size=3), or lambda opt, run: "
+            "OneCycleLR(opt, max_lr=0.1, total_steps=run.total_steps)"
+        )
+    for name, value, cls in (("config", config, TrainConfig), ("checkpoint", checkpoint, CheckpointConfig)):
+        if value is not None and not isinstance(value, cls):
+            raise TypeError(
+                f"{name} is a {type(value).__name__}, not a {cls.__name__}: pass {cls.__name__}(**your_values)"
+            )
+    if metrics_fn is not None and not callable(metrics_fn):
+        raise TypeError(f"metrics_fn {metrics_fn!r} is not callable: pass metrics_fn(outputs, targets) -> {{name: value}}")
+
+
+def _check_dataset(name: str, data: Any) -> None:
+    if isinstance(data, BatchSource):
+        return
+    if isinstance(data, (str, bytes)) or not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
+        raise TypeError(
+            f"{name} {data!r} is not a dataset: give a map-style Dataset (with __len__ and __getitem__ returning "
+            "(inputs, targets)), a list of items, or a BatchSource such as xlatrain's ShardDataset"
+        )
+
+
 def _required_positional(fn: Callable[..., Any]) -> int:
     """Positional parameters of ``fn`` that have no default (``functools.partial`` applied)."""
     import inspect
@@ -808,12 +947,119 @@ def _required_positional(fn: Callable[..., Any]) -> int:
     return sum(1 for p in params if p.kind in kinds and p.default is inspect.Parameter.empty)
 
 
+@contextlib.contextmanager
+def _in_step(trainer: Trainer, cursor: Cursor, step: int) -> Iterator[list[str]]:
+    """An error raised in a training step keeps its traceback and says where: epoch, step, which
+    function (the model, the loss, backward) and, for a map-style dataset, the batch's samples."""
+    where = [f"the model's forward ({type(trainer.strategy.unwrap(trainer.model)).__name__})"]
+    try:
+        yield where
+    except Exception as exc:
+        if hasattr(exc, "add_note"):
+            indices = trainer._feed.sample_indices(cursor.epoch, step) if trainer._feed is not None else None
+            exc.add_note(
+                f"xlatrain: raised in {where[0]} at epoch {cursor.epoch} step {step}"
+                + (f"; this process's batch holds the dataset's sample indices {indices}" if indices else "")
+            )
+        raise
+
+
+def _is_cross_entropy(loss_fn: Any) -> bool:
+    inner = getattr(loss_fn, "func", loss_fn)  # functools.partial
+    return isinstance(loss_fn, torch.nn.CrossEntropyLoss) or inner is torch.nn.functional.cross_entropy
+
+
+def _check_class_targets(loss_fn: Any, targets: Any) -> None:
+    """Cross-entropy's targets, checked on the host copy of the dry run's batch."""
+    if _is_cross_entropy(loss_fn) and isinstance(targets, torch.Tensor) and targets.dtype == torch.bool:
+        raise ValueError(
+            "CrossEntropyLoss got bool targets: give class indices (targets.long() in the dataset) or class "
+            "probabilities (floats of the outputs' shape)"
+        )
+
+
+def _check_class_outputs(loss_fn: Any, outputs: Any, targets: Any) -> None:
+    """Cross-entropy's class-index targets against the number of outputs (host copy of the targets)."""
+    if not (_is_cross_entropy(loss_fn) and isinstance(outputs, torch.Tensor) and isinstance(targets, torch.Tensor)):
+        return
+    if outputs.dim() < 2:
+        return
+    classes = outputs.shape[1]
+    if targets.is_floating_point():
+        if tuple(targets.shape) != tuple(outputs.shape):
+            raise ValueError(
+                f"CrossEntropyLoss got float targets of shape {tuple(targets.shape)}: it takes class indices "
+                f"(integers, shape {tuple(outputs.shape[:1]) + tuple(outputs.shape[2:])}) or class probabilities "
+                f"(floats, the outputs' shape {tuple(outputs.shape)}). Give class indices with .long() in the dataset, "
+                "or probabilities of the outputs' shape"
+            )
+        return
+    ignore = getattr(loss_fn, "ignore_index", -100)
+    bad = targets[(targets != ignore) & ((targets < 0) | (targets >= classes))]
+    if bad.numel():
+        raise ValueError(
+            f"the targets hold class index {int(bad[0])}, but the model has {classes} outputs (classes 0..{classes - 1}): "
+            f"give the model's last layer one output per class (num_outputs), or map the labels to 0..{classes - 1} "
+            "in the dataset"
+        )
+
+
 def _first_batch(data: Any, rows: int = 2) -> Any:
     """A small batch of ``data`` for the dry run, collated as the loaders collate."""
     if isinstance(data, BatchSource):
         batch, _valid = next(iter(data.eval_batches(loader_batch=rows, num_processes=1, process_index=0)))
         return batch
-    return collate([data[i] for i in range(min(rows, len(data)))])
+    if len(data) == 0:
+        raise ValueError("the evaluation set is empty: give at least one sample")
+    items = _Items(data)
+    return collate([items[i] for i in range(min(rows, len(data)))])
+
+
+class _Items(Dataset):  # type: ignore[type-arg]
+    """A user's dataset whose failing items say which one failed and in whose ``__getitem__``."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        try:
+            item = self.dataset[index]
+        except Exception as exc:
+            if hasattr(exc, "add_note"):
+                exc.add_note(f"xlatrain: raised by {type(self.dataset).__name__}.__getitem__({index})")
+            raise
+        if item is None:
+            raise ValueError(
+                f"{type(self.dataset).__name__}[{index}] returned None: __getitem__ must return an item, an "
+                "(inputs, targets) pair by default (or a dict / dataclass read through the Trainer's inputs= and "
+                "targets= names)"
+            )
+        return item
+
+
+_BROADCAST = re.compile(r"target size \((.*?)\) that is different to the input size \((.*?)\)")
+
+
+def _refuse_broadcast_loss(caught: list[warnings.WarningMessage], loss_fn: Any) -> None:
+    """torch warns, and goes on, when an elementwise loss (MSE, L1, Huber, ...) gets targets of
+    another shape than the outputs: it broadcasts them, and every output meets every target. That
+    is never what was meant; it is an error here. Other warnings are passed on as they were."""
+    for w in caught:
+        found = _BROADCAST.search(str(w.message))
+        if found is None:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+            continue
+        target, output = (tuple(int(n) for n in re.findall(r"\d+", part)) for part in found.groups())
+        into = tuple(torch.broadcast_shapes(target, output))
+        raise ValueError(
+            f"loss_fn {loss_fn!r} got outputs of shape {output} and targets of shape {target}: torch broadcasts "
+            f"them to {into}, so every output is compared with every target and the loss is wrong. Give both one "
+            f"shape: squeeze the model's outputs (outputs.squeeze(-1) in the model or the loss), or reshape the "
+            "targets in the dataset"
+        )
 
 
 def _shapes(batch: Any) -> str:
@@ -929,6 +1175,31 @@ def _holds_a_run(path: Path) -> bool:
     return (path / "history.json").exists() or bool(list_checkpoints(path / "checkpoints"))
 
 
+@contextlib.contextmanager
+def _writing(path: Path) -> Iterator[None]:
+    """A failed write of a run's file (a full disk, lost permissions) as an error that names the
+    file, the free space and how to go on; the file written before stays (writes are atomic)."""
+    import shutil
+
+    try:
+        yield
+    except OSError as exc:
+        try:
+            free = f"; the disk holding it has {_mb(shutil.disk_usage(path.parent).free)} free"
+        except OSError:
+            free = ""
+        latest = latest_name(path.parent / "checkpoints")
+        raise CheckpointError(
+            f"could not write {path}: {exc.strerror or exc}{free}. Its previous version is intact, and so is the "
+            f"latest checkpoint ({latest or 'none yet'}): free disk space (or fix permissions) and run the same "
+            "command again to continue from it"
+        ) from exc
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:,.1f} MB"
+
+
 def _resharded_sums(per_process: list[dict[str, float]], index: int, count: int) -> dict[str, float]:
     """This process's share of running sums saved by another number of processes: every process
     starts from the saved mean (so the mean over processes is unchanged) and process 0 carries the
@@ -991,6 +1262,18 @@ class _TrainFeed:
             self._sampler = TrainSampler(len(dataset), seed=cfg.seed, step_multiple=cfg.grad_accum_steps, **self._layout)
             # Built once, so DataLoader workers persist across epochs.
             self._loader = trainer._data_loader(dataset, self._sampler)
+
+    def sample_indices(self, epoch: int, step: int) -> list[int] | None:
+        """The dataset indices of this process's batch at ``step`` (from 1) of ``epoch``, where the
+        Trainer's sampler chose them (None for a BatchSource, which reads records itself)."""
+        if self._sampler is None:
+            return None
+        order = self._sampler.epoch_order() if self._sampler.epoch == epoch else None
+        if order is None:
+            return None
+        size = self._sampler.loader_batch
+        start = (step - 1) * size * self._sampler.num_processes + self._sampler.process_index * size
+        return order[start:start + size].tolist()
 
     def batches(self, epoch: int, start_step: int = 0) -> Iterable[Any]:
         if self._sampler is not None:

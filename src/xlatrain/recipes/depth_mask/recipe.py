@@ -22,6 +22,16 @@ class DataConfig:
     mask_weight: float = 1.0
     depth_weight: float = 1.0
 
+    def __post_init__(self) -> None:
+        from xlatrain.config import check_int, check_nonnegative
+
+        check_int("data.num_train", self.num_train)
+        check_int("data.num_val", self.num_val)
+        check_int("data.image_size", self.image_size, minimum=32)
+        check_int("data.seed", self.seed, minimum=0)
+        check_nonnegative("data.mask_weight", self.mask_weight)
+        check_nonnegative("data.depth_weight", self.depth_weight)
+
 
 def build(config: Any) -> Any:
     from xlatrain.recipes.run import RecipeParts, build_recipe_model

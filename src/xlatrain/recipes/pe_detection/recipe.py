@@ -52,6 +52,15 @@ class DataConfig:
     rotate_degrees: float = 10.0
 
     def __post_init__(self) -> None:
+        from xlatrain.config import check_int, check_nonnegative
+
+        for key in ("num_studies", "stored_size", "image_size", "num_folds"):
+            check_int(f"data.{key}", getattr(self, key), minimum=2 if key == "num_folds" else 1)
+        check_int("data.workers", self.workers)
+        check_int("data.seed", self.seed, minimum=0)
+        check_nonnegative("data.rotate_degrees", self.rotate_degrees)
+        if not 0 <= self.hflip <= 1:
+            raise ValueError(f"data.hflip={self.hflip!r} is not valid: give a probability between 0 and 1")
         if self.source not in SOURCES:
             raise ValueError(f"data.source={self.source!r} is not valid: choose one of {', '.join(SOURCES)}")
         if not 0 <= self.fold < self.num_folds:
