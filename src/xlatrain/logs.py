@@ -1,9 +1,10 @@
 """Where xlatrain's messages go: the ``xlatrain`` logger, and a console handler for it.
 
 Library code logs (``logging.getLogger("xlatrain")``, rank 0 only for progress); it never prints.
-The ``xlatrain`` command installs the console handler. A Python program whose logging is not
-configured gets the same handler the first time a Trainer runs, so its epoch lines show as they
-would on the command line; a program that configures logging itself keeps full control.
+The ``xlatrain`` command installs the console handler. A Python program whose logging does not
+show xlatrain's INFO lines gets the same handler the first time a Trainer runs, so its epoch
+lines show as they would on the command line; a program that routes them itself (a handler on
+the ``xlatrain`` logger, or root handlers at INFO) keeps full control.
 """
 
 from __future__ import annotations
@@ -51,6 +52,11 @@ def install_console_handler(level: int = logging.INFO) -> logging.Handler:
     return handler
 
 
+def has_console_handler() -> bool:
+    """True when :func:`install_console_handler` has put xlatrain's handler in place."""
+    return any(h.get_name() == _HANDLER_NAME for h in logging.getLogger(LOGGER_NAME).handlers)
+
+
 def remove_console_handler() -> None:
     """Undo :func:`install_console_handler` (tests restore logging between cases)."""
     logger = logging.getLogger(LOGGER_NAME)
@@ -62,8 +68,16 @@ def remove_console_handler() -> None:
 
 
 def ensure_console() -> None:
-    """Install the console handler unless logging was configured (root or ``xlatrain`` handlers)."""
+    """Install the console handler unless logging was configured to show xlatrain's lines: a
+    handler on the ``xlatrain`` logger, or root handlers at a level that lets INFO through.
+
+    A bare ``logging.basicConfig()`` (root at WARNING) is not such a choice: torch_xla calls it
+    at import, which would otherwise silence every epoch line of a torch_xla run.
+    """
     logger = logging.getLogger(LOGGER_NAME)
-    if logger.handlers or logging.getLogger().handlers:
+    if logger.handlers:
+        return
+    root = logging.getLogger()
+    if root.handlers and logger.getEffectiveLevel() <= logging.INFO:
         return
     install_console_handler()

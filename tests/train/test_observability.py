@@ -127,3 +127,22 @@ def test_the_progress_bar_reads_the_device_as_often_as_plain_lines(tmp_path):
     assert [e["host_reads"] for e in reads["pty"]] == [e["host_reads"] for e in reads["pipe"]]
     # resumable.py logs every step: every read is a planned one, with or without the bar.
     assert all(e["host_reads"] - e["planned_reads"] <= 0 for e in reads["pty"])
+
+
+def test_tracing_steps_on_a_cpu_prints_no_profiler_library_noise(tmp_path):
+    """torch's CUDA build logs 'gpuGetDeviceCount failed' as an ERROR when it profiles on a machine
+    without a GPU, and its start and stop; nothing is wrong, so a CPU run keeps that quiet."""
+    import subprocess
+    import sys
+
+    from conftest import script_env
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "xlatrain.cli", "fit", "configs/digits.yaml", "--set", "trainer.epochs=1",
+         "--set", "data.image_size=16", "--set", f"trainer.run_dir={tmp_path}", "--set", "trainer.profile_steps=[3,5]",
+         "--set", "backend.accelerator=cpu"],
+        capture_output=True, text=True, timeout=300, env=script_env(), cwd=str(__import__("pathlib").Path(__file__).parents[2]),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "profile: steps 3-5 traced" in proc.stdout
+    assert "gpuGetDeviceCount" not in proc.stderr and "USDT:" not in proc.stderr, proc.stderr

@@ -191,6 +191,12 @@ class StepTrace:
     def _begin_torch(self) -> None:
         from torch.profiler import ProfilerActivity, profile, supported_activities
 
+        if self._platform == "cpu":
+            # The profiler's tracing library logs its start and stop and, in torch's CUDA build on a
+            # machine without a GPU, "gpuGetDeviceCount failed" as an ERROR: nothing is wrong on a
+            # CPU run. Read when the profiler first starts; a level the user set is kept.
+            os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+
         activities = [ProfilerActivity.CPU]
         if self._platform == "cuda":
             activities.append(ProfilerActivity.CUDA)
