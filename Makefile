@@ -59,7 +59,7 @@ demo: $(VENV)/.installed $(VENV)/.site-hook
 
 # The PE-detection recipe on generated RSNA-shaped data, compared with the prior baseline.
 pe-demo: $(VENV)/.installed $(VENV)/.site-hook
-	$(BIN)/python -m xlatrain.recipes.pe_detection.demo configs/pe_detection.yaml
+	$(BIN)/python -m xlatrain.recipes.pe_detection.demo configs/pe_detection.yaml --set trainer.run_dir=runs/pe-demo
 
 # Entries on the current torch run in .venv; the XLA ones start their workers in .venv-xla.
 bench: $(VENV)/.installed $(VENV)/.site-hook $(VENV_XLA)/.installed
