@@ -233,3 +233,32 @@ def test_an_spmd_fsdp_checkpoint_from_four_devices_resumes_on_two(spmd_fsdp, tmp
     assert "continuing at epoch 2, step 4" in resumed["stdout"]
     _same_losses(resumed["HISTORY"], whole["HISTORY"])
     _same_weights(cut / "final.safetensors", run_dir / "final.safetensors")
+
+
+BATCH_NORM = """
+import functools, json, sys, torch, torchvision, xlatrain
+from torch import nn
+data = [torch.utils.data.TensorDataset(torch.randn(n, 3, 32, 32, generator=torch.Generator().manual_seed(n)),
+                                       torch.randint(0, 2, (n, 4), generator=torch.Generator().manual_seed(n)).float())
+        for n in (32, 8)]
+torch.manual_seed(0)
+trainer = xlatrain.Trainer(torchvision.models.resnet18(num_classes=4), nn.BCEWithLogitsLoss(),
+                           functools.partial(torch.optim.AdamW, lr=1e-3), strategy=sys.argv[2],
+                           config=xlatrain.TrainConfig(epochs=2, batch_size=16, precision="bf16", run_dir=sys.argv[1]))
+print("HISTORY " + json.dumps(trainer.fit(*data)))
+"""
+
+
+def test_bf16_fsdp_keeps_batch_norm_in_float32_and_follows_one_device(tmp_path):
+    """FSDP gathers parameters in bfloat16; batch norm's float32 running statistics cannot meet a
+    bfloat16 weight, so each batch norm is a float32 group of its own (else the first forward fails)."""
+    (tmp_path / "bn.py").write_text(BATCH_NORM)
+    runs = {s: _run_history(tmp_path, s) for s in ("single", "fsdp")}
+    for a, b in zip(runs["fsdp"], runs["single"]):
+        for key in ("train_loss", "val_loss"):
+            assert a[key] == pytest.approx(b[key], rel=1e-3), (key, a, b)
+
+
+def _run_history(tmp_path, strategy):
+    proc = run_command([sys.executable, str(tmp_path / "bn.py"), str(tmp_path / strategy), strategy])
+    return json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("HISTORY ")][0][len("HISTORY "):])

@@ -61,6 +61,13 @@ class FSDP(EagerStrategy):
         on_meta = model_state.has_meta_tensors(model)
         if not on_meta:
             model = model.to(self._device)
+        if precision.param_dtype is not None:
+            # Batch norm keeps float32 running statistics, which its bfloat16-gathered weight
+            # cannot be used with: each one is a group of its own that stays float32 (its input
+            # is cast to float32 on the way in), as FSDP1's mixed precision did for batch norm.
+            full = MixedPrecisionPolicy(reduce_dtype=precision.reduce_dtype)
+            for norm in [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]:
+                fully_shard(norm, mesh=self.mesh, mp_policy=full)
         for unit in units:  # find_units returns no unit inside another
             fully_shard(unit, mesh=self.mesh, mp_policy=policy)
         fully_shard(model, mesh=self.mesh, mp_policy=policy)

@@ -1,0 +1,283 @@
+"""Every shell and Python block of README.md and docs/*.md runs as written, or, where it needs
+a TPU, a GPU, the network or another machine, everything it names exists.
+
+Blocks run in a fresh directory per page (``configs/`` linked in), shell lines first in page
+order, then the page's Python blocks in order in one interpreter, as a reader pasting them would.
+Sizes are made tiny: ``xlatrain fit`` lines get a recipe's tiny-data overrides appended (later
+``--set`` wins), and a block may carry ``<!-- docs-test: tiny: OLD => NEW -->`` substitutions (one
+directive per marker line, the lines right above the block)
+(``{root}`` is the repository). A
+block marked ``<!-- docs-test: skip: WHY -->`` is not run (the reason is reported); one marked
+``<!-- docs-test: names -->`` is checked by name only. Commands are classified by what they need:
+``accelerator=tpu`` / ``cuda`` / ``PJRT_DEVICE=TPU``, TorchTPU's launcher, ``gcloud`` and ``pip``
+are checked by name (the subcommand and flags parse, each ``--set`` key exists in the config,
+modules and Make targets exist); everything else runs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from conftest import SCRIPTS, script_env
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
+MARK = re.compile(r"<!--\s*docs-test:\s*(.*?)\s*-->")
+XLA_PYTHON = ROOT / ".venv-xla" / "bin" / "python"
+
+# What makes a recipe's run tiny (appended after the line's own --set, so it wins).
+TINY = {
+    "configs/digits.yaml": ["trainer.epochs=1", "data.image_size=16"],
+    "configs/pe_detection.yaml": ["trainer.epochs=1", "trainer.batch_size=4", "data.num_studies=6",
+                                  "data.slices_per_study=[4,5]", "data.stored_size=48", "data.image_size=32",
+                                  "data.num_folds=3", "data.workers=1", "trainer.num_workers=0"],
+    "configs/depth_mask.yaml": ["trainer.epochs=1", "trainer.batch_size=4", "data.num_train=8", "data.num_val=4",
+                                "data.image_size=32", "model.width=8", "model.blocks=[1,1,1,1]"],
+}
+
+
+@dataclass
+class Block:
+    page: str
+    line: int
+    lang: str
+    code: str
+    skip: str | None = None
+    names_only: bool = False
+    tiny: list[tuple[str, str]] = field(default_factory=list)
+
+    def prepared(self) -> str:
+        code = self.code
+        for old, new in self.tiny:
+            assert old in code, f"{self.page}:{self.line}: tiny substitution {old!r} no longer matches the block"
+            code = code.replace(old, new.replace("{root}", str(ROOT)))
+        return code
+
+
+def blocks(page: Path) -> list[Block]:
+    text = page.read_text()
+    found = []
+    for m in FENCE.finditer(text):
+        line = text[: m.start()].count("\n") + 1
+        before = text[: m.start()].rstrip().splitlines()
+        block = Block(page.name, line, m.group(1), m.group(2))
+        directives = []
+        while before and MARK.fullmatch(before[-1].strip()):  # one directive per marker line
+            directives.insert(0, MARK.fullmatch(before.pop().strip()).group(1).strip())
+        if directives:
+            for directive in directives:
+                if directive.startswith("skip:"):
+                    block.skip = directive[len("skip:"):].strip()
+                elif directive == "names":
+                    block.names_only = True
+                elif directive.startswith("tiny:"):
+                    old, new = directive[len("tiny:"):].split("=>")
+                    block.tiny.append((old.strip(), new.strip()))
+                else:
+                    raise AssertionError(f"{page.name}:{line}: unknown docs-test directive {directive!r}")
+        found.append(block)
+    return found
+
+
+def commands(code: str) -> list[str]:
+    """Logical shell lines: continuations joined, comments and blank lines dropped."""
+    joined = code.replace("\\\n", " ")
+    out = []
+    for raw in joined.splitlines():
+        tokens = shlex.split(raw, comments=True)
+        if tokens:
+            out.append(raw)
+    return out
+
+
+# --- checking a command by name ---------------------------------------------------------------
+
+def _check_xlatrain(argv: list[str]) -> None:
+    """The subcommand and its flags parse; a fit's config loads with every ``--set``."""
+    from xlatrain.cli import build_parser
+
+    argv = [a for a in argv if a != "--debug"]
+    args = build_parser().parse_args(argv)
+    if args.command == "fit":
+        from xlatrain.config import load_run_config
+
+        load_run_config(str(ROOT / args.config), args.set)
+
+
+def _split_env(tokens: list[str]) -> tuple[dict[str, str], list[str]]:
+    env = {}
+    while tokens and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", tokens[0]):
+        key, value = tokens.pop(0).split("=", 1)
+        env[key] = value
+    return env, tokens
+
+
+def _xlatrain_argv(tokens: list[str]) -> list[str] | None:
+    """The xlatrain arguments of a command that runs xlatrain (directly, -m, or under torchrun)."""
+    if Path(tokens[0]).name == "xlatrain":
+        return tokens[1:]
+    if "-m" in tokens:
+        i = tokens.index("-m")
+        if i + 1 < len(tokens) and tokens[i + 1] == "xlatrain.cli":
+            return tokens[i + 2:]
+    return None
+
+
+def _needs_hardware(env: dict[str, str], text: str) -> str | None:
+    if env.get("PJRT_DEVICE") == "TPU":
+        return "a TPU (PJRT_DEVICE=TPU)"
+    if re.search(r"accelerator[= ](tpu|cuda)", text):
+        return "a " + re.search(r"accelerator[= ](tpu|cuda)", text).group(1).upper()
+    if "$WORLD_SIZE" in text or "$NNODES" in text:
+        return "TorchTPU's launch variables"
+    return None
+
+
+def check_names(command: str) -> str:
+    """Check what ``command`` names without running it; returns what was checked."""
+    env, tokens = _split_env(shlex.split(command, comments=True))
+    prog = Path(tokens[0]).name
+    if prog == "make":
+        proc = subprocess.run(["make", "-n", "-C", str(ROOT), *tokens[1:]], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, f"make -n {' '.join(tokens[1:])}: {proc.stderr}"
+        return f"make target {' '.join(tokens[1:])} exists"
+    if prog == "pip":
+        extras = set(re.findall(r"xlatrain\[(\w+)\]", command))
+        declared = open(ROOT / "pyproject.toml").read()
+        for extra in extras:
+            assert re.search(rf"^{extra} = \[", declared, re.M), f"pyproject.toml has no extra [{extra}]"
+        return f"extras {sorted(extras)} exist"
+    if prog == "eval":
+        assert "torch.tpu.distributed" in command
+        spec = importlib.util.find_spec("torch_tpu")
+        if spec is None:
+            return "TorchTPU not installed in this environment: launcher not checked"
+        root = Path(spec.origin).parent
+        assert (root / "_internal" / "distributed" / "distributed.py").is_file(), "torch_tpu has no distributed launcher"
+        return "TorchTPU's launcher module exists"
+    if prog == "gcloud":
+        inner = re.search(r"--command=(['\"])(.*)\1", command, re.S)
+        assert inner, f"gcloud line without --command: {command}"
+        checked = []
+        for part in re.split(r"&&|;", inner.group(2)):
+            part = part.strip()
+            if part and not part.startswith(("cd ", "eval ")):
+                checked.append(check_names(part))
+        return "inside gcloud: " + "; ".join(checked)
+    if prog == "tensorboard":
+        assert importlib.util.find_spec("tensorboard") is not None
+        return "tensorboard is installed"
+    if prog == "torchrun":
+        argv = _xlatrain_argv(tokens)
+        assert argv is not None, f"torchrun of something else: {command}"
+        _check_xlatrain(argv)
+        return "torchrun's xlatrain arguments parse"
+    argv = _xlatrain_argv(tokens)
+    if argv is not None:
+        _check_xlatrain(argv)
+        return "xlatrain arguments parse"
+    if prog.startswith("python"):
+        assert "-m" in tokens, f"cannot check {command}"
+        module = tokens[tokens.index("-m") + 1]
+        assert importlib.util.find_spec(module) is not None, f"no module {module}"
+        return f"module {module} exists"
+    raise AssertionError(f"no way to check {command!r}: run it, or mark its block")
+
+
+# --- running a command ------------------------------------------------------------------------
+
+def run_command(command: str, cwd: Path) -> str:
+    env, tokens = _split_env(shlex.split(command, comments=True))
+    if tokens[0] == "source":
+        return "skipped: activation"
+    needs = _needs_hardware(env, command)
+    if needs or Path(tokens[0]).name in ("make", "pip", "eval", "gcloud", "tensorboard"):
+        return f"checked ({needs or Path(tokens[0]).name}): {check_names(command)}"
+    python = sys.executable
+    if tokens[0].startswith(".venv-xla/"):
+        if not XLA_PYTHON.exists():
+            return f"checked (no .venv-xla here): {check_names(command)}"
+        python = str(XLA_PYTHON)
+    argv = _xlatrain_argv(tokens)
+    if tokens[0] == "torchrun":
+        launcher = [str(Path(sys.executable).parent / "torchrun"), *tokens[1:tokens.index("-m")], "-m", "xlatrain.cli"]
+    elif argv is not None:
+        launcher = [python, "-m", "xlatrain.cli"]
+    elif Path(tokens[0]).name.startswith("python"):
+        launcher, argv = [python, *tokens[1:]], []
+    else:
+        raise AssertionError(f"no way to run {command!r}: mark its block")
+    if argv and argv[0] == "fit" and argv[1] in TINY and "--help" not in argv:
+        for item in TINY[argv[1]]:
+            argv = [*argv, "--set", item]
+    if argv and argv[0] == "demo":
+        argv = [*argv, "--epochs", "2", "--min-accuracy", "0"]
+    full_env = script_env({**env, "XLATRAIN_CACHE_DIR": str(cwd / ".cache")})
+    full_env.pop("PYTHONPATH", None)
+    proc = subprocess.run([*launcher, *argv], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=600,
+                          stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, f"`{command}` exited {proc.returncode}:\n{proc.stdout[-2500:]}\n{proc.stderr[-2500:]}"
+    return "ran"
+
+
+def _session_dir(tmp_path: Path) -> Path:
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "configs").symlink_to(ROOT / "configs")
+    return work
+
+
+@pytest.mark.parametrize("page", [p.name for p in PAGES])
+def test_every_block_of_the_page_runs_as_written_or_names_what_exists(page, tmp_path):
+    path = next(p for p in PAGES if p.name == page)
+    found = blocks(path)
+    work = _session_dir(tmp_path)
+    report = []
+    for block in found:
+        if block.lang not in ("bash", "sh"):
+            continue
+        if block.skip:
+            report.append(f"{page}:{block.line} skipped: {block.skip}")
+            continue
+        for command in commands(block.prepared()):
+            outcome = check_names(command) if block.names_only else run_command(command, work)
+            report.append(f"{page}:{block.line} `{command.strip()[:70]}`: {outcome}")
+    python_blocks = [b for b in found if b.lang == "python"]
+    session = []
+    for block in python_blocks:
+        if block.skip:
+            report.append(f"{page}:{block.line} skipped: {block.skip}")
+        elif block.names_only:
+            compile(block.code, f"{page}:{block.line}", "exec")
+            report.append(f"{page}:{block.line}: compiles (names only)")
+        else:
+            session.append({"page": page, "line": block.line, "code": block.prepared()})
+    if session:
+        (tmp_path / "blocks.json").write_text(json.dumps(session))
+        env = script_env({"XLATRAIN_CACHE_DIR": str(work / ".cache")})
+        env.pop("PYTHONPATH", None)
+        proc = subprocess.run([sys.executable, str(SCRIPTS / "doc_session.py"), str(tmp_path / "blocks.json")],
+                              cwd=work, env=env, capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
+        assert proc.returncode == 0, f"{page}: a Python block failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
+        report += [f"{page}:{b['line']}: ran" for b in session]
+    print("\n".join(report))
+
+
+def test_every_marked_block_says_why_and_every_block_is_one_the_harness_knows():
+    for page in PAGES:
+        for block in blocks(page):
+            assert block.lang in ("bash", "sh", "python", "", "yaml", "text"), f"{page.name}:{block.line}: {block.lang}"
+            if block.skip is not None:
+                assert len(block.skip) > 10, f"{page.name}:{block.line}: say why the block is not run"
