@@ -1,10 +1,10 @@
 """Where xlatrain's messages go: the ``xlatrain`` logger, and a console handler for it.
 
 Library code logs (``logging.getLogger("xlatrain")``, rank 0 only for progress); it never prints.
-The ``xlatrain`` command installs the console handler. A Python program whose logging does not
-show xlatrain's INFO lines gets the same handler the first time a Trainer runs, so its epoch
-lines show as they would on the command line; a program that routes them itself (a handler on
-the ``xlatrain`` logger, or root handlers at INFO) keeps full control.
+The ``xlatrain`` command installs the console handler. A Python program whose logging is not
+configured (or only by a bare ``logging.basicConfig()``, as torch_xla's import does) gets the
+same handler the first time a Trainer runs, so its epoch lines show as they would on the command
+line; a program that configures logging itself keeps full control.
 """
 
 from __future__ import annotations
@@ -68,16 +68,29 @@ def remove_console_handler() -> None:
 
 
 def ensure_console() -> None:
-    """Install the console handler unless logging was configured to show xlatrain's lines: a
-    handler on the ``xlatrain`` logger, or root handlers at a level that lets INFO through.
+    """Install the console handler unless logging was configured: handlers on the ``xlatrain``
+    logger or on the root logger.
 
-    A bare ``logging.basicConfig()`` (root at WARNING) is not such a choice: torch_xla calls it
-    at import, which would otherwise silence every epoch line of a torch_xla run.
+    A bare ``logging.basicConfig()`` (one stderr handler, the default format, root at WARNING)
+    does not count: torch_xla calls it at import, which would otherwise silence every epoch line
+    of a torch_xla run.
     """
     logger = logging.getLogger(LOGGER_NAME)
     if logger.handlers:
         return
     root = logging.getLogger()
-    if root.handlers and logger.getEffectiveLevel() <= logging.INFO:
+    if root.handlers and not _bare_basic_config(root):
         return
     install_console_handler()
+
+
+def _bare_basic_config(root: logging.Logger) -> bool:
+    if len(root.handlers) != 1 or root.level != logging.WARNING:
+        return False
+    handler = root.handlers[0]
+    return (
+        type(handler) is logging.StreamHandler
+        and getattr(handler, "stream", None) in (sys.stderr, sys.__stderr__)
+        and handler.formatter is not None
+        and handler.formatter._fmt == logging.BASIC_FORMAT
+    )
