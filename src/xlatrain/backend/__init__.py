@@ -156,11 +156,18 @@ def _xla_backend(
 
 
 def from_config(config: BackendConfig) -> Backend:
-    return select_backend(
+    backend = select_backend(
         config.accelerator, devices=config.devices, xla_mode=config.xla_mode, compile_cache=config.compile_cache,
         tpu_runtime=config.tpu_runtime, strategy=config.strategy, units=config.units,
         activation_checkpointing=config.activation_checkpointing,
     )
+    if config.device_memory is None:
+        return backend
+    import dataclasses
+
+    from xlatrain.backend.hardware import parse_memory
+
+    return dataclasses.replace(backend, device_memory=parse_memory(config.device_memory))
 
 
 def __getattr__(name: str) -> Any:

@@ -97,6 +97,20 @@ class Runtime(Protocol):
     def set_rng_state(self, state: dict[str, Any]) -> None:
         ...
 
+    def peak_flops(self, dtype: torch.dtype) -> tuple[float, str] | None:
+        """One device's dense peak FLOP/s in ``dtype`` and where the figure comes from: a
+        published one (:data:`~xlatrain.backend.hardware.DEVICE_SPECS`), else measured (a large
+        matmul on this device, cached per machine), ``None`` for a device the table lacks."""
+        ...
+
+    def memory_capacity(self) -> tuple[int, str] | None:
+        """Bytes one device can hold, and where the figure comes from (``None``: not reported)."""
+        ...
+
+    def memory_peak(self) -> tuple[int, str] | None:
+        """The most memory this process has held on its device so far, and what that figure counts."""
+        ...
+
 
 class Strategy(Protocol):
     name: str  # "single", "ddp", "fsdp", "spmd-data", "spmd-fsdp", "xla-processes"
@@ -110,6 +124,10 @@ class Strategy(Protocol):
     sharded_state: bool
     input_sharding: Any  # handed to Runtime.wrap_loader (SPMD: the batch's layout on the mesh)
     mesh: Any  # the device mesh the model is spread over, or None
+    # The model's repeated blocks (backend/units.py), found by prepare_model: what FSDP shards one
+    # at a time and activation checkpointing recomputes; the memory plan measures each.
+    unit_modules: list[torch.nn.Module]
+    activation_checkpointing: bool  # the units recompute their activations during backward
 
     @property
     def is_main(self) -> bool:
@@ -205,6 +223,16 @@ class Strategy(Protocol):
         """Bytes this device holds of ``parameters``, ``gradients`` and ``optimizer`` state."""
         ...
 
+    def gathered_bytes(self, model: torch.nn.Module, precision: Precision) -> int:
+        """Bytes of whole weights a device gathers for compute at once beyond its own part
+        (FSDP: the root's weights and two units', the one computing and the next), else 0."""
+        ...
+
+    def planned_state_bytes(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        """What :meth:`state_bytes` will say once a step has run, known before it: parameters as
+        held, a gradient for each that trains, the optimizer's state as its first step makes it."""
+        ...
+
 
 @dataclass(frozen=True)
 class Backend:
@@ -218,6 +246,9 @@ class Backend:
 
     runtime: Runtime
     strategy: Strategy
+    # Memory one device holds as the user stated it, ``(bytes, what it was read as)``, to plan for
+    # a device other than this one; ``None``: what the runtime reports.
+    device_memory: tuple[int, str] | None = None
 
     # The facts a training script asks for most, read from the two parts.
     @property

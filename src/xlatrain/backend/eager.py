@@ -34,10 +34,11 @@ class EagerStrategy:
         self._device = device
         self._procs = processes
         self._units_policy = units
-        self._checkpointing = activation_checkpointing
+        self.activation_checkpointing = activation_checkpointing
         self.world_size = self.num_processes = processes.world_size
         self.process_index = processes.rank
         self.units: list[str] = []  # class names of the units found by prepare_model
+        self.unit_modules: list[torch.nn.Module] = []
 
     @property
     def is_main(self) -> bool:
@@ -47,7 +48,7 @@ class EagerStrategy:
         return "single process" + self._checkpointing_note()
 
     def _checkpointing_note(self) -> str:
-        if not self._checkpointing:
+        if not self.activation_checkpointing:
             return ""
         kinds = ", ".join(sorted(set(self.units))) or "no repeated block found"
         return f", activation checkpointing of {len(self.units)} unit(s) ({kinds})"
@@ -55,13 +56,14 @@ class EagerStrategy:
     def _units(self, model: torch.nn.Module) -> list[torch.nn.Module]:
         units = [m for _, m in find_units(model, self._units_policy)]
         self.units = [type(m).__name__ for m in units]
+        self.unit_modules = units
         return units
 
     def prepare_model(
         self, model: torch.nn.Module, precision: Precision, init_weights: Callable[[torch.nn.Module], None] | None = None
     ) -> torch.nn.Module:
         units = self._units(model)
-        if self._checkpointing:
+        if self.activation_checkpointing:
             apply_activation_checkpointing(units)
         if model_state.has_meta_tensors(model):
             model_state.materialize(model, self._device, init_weights)
@@ -130,3 +132,13 @@ class EagerStrategy:
 
     def state_bytes(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
         return model_state.state_bytes(self.unwrap(model), optimizer)
+
+    def gathered_bytes(self, model: torch.nn.Module, precision: Precision) -> int:
+        return 0  # every process holds its whole model: nothing to gather
+
+    def planned_state_bytes(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        def local_part(t: torch.Tensor) -> tuple[torch.Size, torch.dtype]:
+            part = model_state.local(t)
+            return part.shape, part.dtype
+
+        return model_state.planned_state_bytes(self.unwrap(model), optimizer, local_part)

@@ -46,7 +46,7 @@ class FSDP(EagerStrategy):
     def describe(self) -> str:
         kinds = ", ".join(sorted(set(self.units)))
         what = f"{len(self.units)} unit(s) ({kinds})" if self.units else "the whole model as one unit"
-        ac = ", activation checkpointing" if self._checkpointing else ""
+        ac = ", activation checkpointing" if self.activation_checkpointing else ""
         return f"FSDP over {self.world_size} process(es), {what}{ac}"
 
     def prepare_model(
@@ -55,7 +55,7 @@ class FSDP(EagerStrategy):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         units = self._units(model)
-        if self._checkpointing:
+        if self.activation_checkpointing:
             apply_activation_checkpointing(units)
         policy = MixedPrecisionPolicy(param_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype)
         on_meta = model_state.has_meta_tensors(model)
@@ -75,6 +75,14 @@ class FSDP(EagerStrategy):
             # Each process gives storage to, and initialises, only its own shards.
             model_state.materialize(model, self._device, init_weights)
         return model
+
+    def gathered_bytes(self, model: torch.nn.Module, precision: Precision) -> int:
+        # The root keeps its own weights gathered for the whole step (fully_shard does not reshard
+        # the root after forward); a unit's are gathered for its forward and its backward, the
+        # next one's prefetched meanwhile. Gathered in the precision's parameter dtype.
+        module, dtype = self.unwrap(model), precision.param_dtype
+        per_unit = [model_state.weight_bytes(u, dtype) for u in self.unit_modules]
+        return model_state.weight_bytes(module, dtype) - sum(per_unit) + 2 * max(per_unit, default=0)
 
     def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:
         return _no_gradient_sync(self.unwrap(model))

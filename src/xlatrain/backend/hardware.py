@@ -234,3 +234,105 @@ def torch_tpu_cache_env(enabled: bool, environ: dict[str, str] | None = None) ->
     )
     env.update(wanted)
     return wanted
+
+
+# --- what devices can hold and compute ---------------------------------------------------------
+
+GB, GIB = 10**9, 2**30
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One device's memory and dense peak FLOP/s, from its maker's published figures."""
+
+    name: str
+    memory: int  # bytes per device
+    peak_bf16: float  # FLOP/s, dense (no sparsity); fp16 where the device has no bf16
+    peak_fp32: float | None  # FLOP/s of float32 matmuls as torch runs them by default; None: not published
+    source: str
+
+
+# TPUs: per chip, from cloud.google.com/tpu/docs (system architecture pages of each version);
+# TPU v7 (Ironwood) counts as 2 devices per chip under TorchTPU, so its entry is per device.
+# float32 matmuls on a TPU run as bfloat16 passes by default: their peak is the bf16 one.
+# GPUs: dense tensor-core figures from NVIDIA's datasheets (H100/H200 SXM, A100, L4, A10G, T4,
+# V100, P100); float32 is the CUDA-core rate (torch leaves TF32 off for matmuls by default).
+DEVICE_SPECS: dict[str, DeviceSpec] = {
+    spec.name: spec for spec in (
+        DeviceSpec("tpu-v4", 32 * GIB, 275e12, 275e12, "Google Cloud TPU v4: 275 TFLOP/s bf16, 32 GiB HBM per chip"),
+        DeviceSpec("tpu-v5e", 16 * GIB, 197e12, 197e12, "Google Cloud TPU v5e: 197 TFLOP/s bf16, 16 GiB HBM per chip"),
+        DeviceSpec("tpu-v5p", 95 * GIB, 459e12, 459e12, "Google Cloud TPU v5p: 459 TFLOP/s bf16, 95 GiB HBM per chip"),
+        DeviceSpec("tpu-v6e", 32 * GIB, 918e12, 918e12, "Google Cloud TPU v6e (Trillium): 918 TFLOP/s bf16, 32 GiB HBM per chip"),
+        DeviceSpec("tpu-v7x", 96 * GIB, 1153.5e12, 1153.5e12,
+                   "Google Cloud TPU v7 (Ironwood): 2307 TFLOP/s bf16, 192 GiB HBM per chip = 2 devices"),
+        DeviceSpec("h200", 141 * GB, 989e12, 66.9e12, "NVIDIA H200 SXM: 989 TFLOP/s bf16 dense, 67 fp32, 141 GB"),
+        DeviceSpec("h100", 80 * GB, 989e12, 66.9e12, "NVIDIA H100 SXM: 989 TFLOP/s bf16 dense, 67 fp32, 80 GB"),
+        DeviceSpec("h100-pcie", 80 * GB, 756e12, 51.2e12, "NVIDIA H100 PCIe: 756 TFLOP/s bf16 dense, 51 fp32, 80 GB"),
+        DeviceSpec("a100-80gb", 80 * GB, 312e12, 19.5e12, "NVIDIA A100 80GB: 312 TFLOP/s bf16 dense, 19.5 fp32"),
+        DeviceSpec("a100", 40 * GB, 312e12, 19.5e12, "NVIDIA A100 40GB: 312 TFLOP/s bf16 dense, 19.5 fp32"),
+        DeviceSpec("l4", 24 * GB, 121e12, 30.3e12, "NVIDIA L4: 121 TFLOP/s bf16 dense, 30.3 fp32, 24 GB"),
+        DeviceSpec("a10g", 24 * GB, 125e12, 31.2e12, "NVIDIA A10G (A10): 125 TFLOP/s bf16 dense, 31.2 fp32, 24 GB"),
+        DeviceSpec("t4", 16 * GB, 65e12, 8.1e12, "NVIDIA T4: 65 TFLOP/s fp16 (no bf16), 8.1 fp32, 16 GB"),
+        DeviceSpec("v100", 16 * GB, 125e12, 15.7e12, "NVIDIA V100 16GB: 125 TFLOP/s fp16 (no bf16), 15.7 fp32"),
+        DeviceSpec("v100-32gb", 32 * GB, 125e12, 15.7e12, "NVIDIA V100 32GB: 125 TFLOP/s fp16 (no bf16), 15.7 fp32"),
+        DeviceSpec("p100", 16 * GB, 18.7e12, 9.3e12, "NVIDIA P100: 18.7 TFLOP/s fp16, 9.3 fp32, 16 GB"),
+    )
+}
+# PCI generation (find_tpu_chips) -> the table's entry.
+TPU_GENERATIONS = {"v4": "tpu-v4", "v5e": "tpu-v5e", "v5p": "tpu-v5p", "v6e": "tpu-v6e", "7x": "tpu-v7x"}
+
+
+def spec_for_name(device_name: str) -> DeviceSpec | None:
+    """The table entry for a device's own name (``torch.cuda.get_device_name``), if any."""
+    name = device_name.lower()
+    for key, needle in (("h200", "h200"), ("h100-pcie", "h100 pcie"), ("h100", "h100"), ("a100-80gb", "a100 80gb"),
+                        ("a100-80gb", "a100-sxm4-80gb"), ("a100", "a100"), ("l4", " l4"), ("a10g", "a10g"),
+                        ("t4", " t4"), ("v100-32gb", "v100-sxm2-32gb"), ("v100-32gb", "v100-pcie-32gb"),
+                        ("v100", "v100"), ("p100", "p100")):
+        if needle in f" {name}":
+            return DEVICE_SPECS[key]
+    return None
+
+
+def tpu_spec() -> DeviceSpec | None:
+    """The spec of this host's TPU chips (from the PCI bus), if the table has their generation."""
+    chips = find_tpu_chips()
+    return DEVICE_SPECS.get(TPU_GENERATIONS.get(chips[0].generation, "")) if chips else None
+
+
+def parse_memory(value: str | int | float) -> tuple[int, str]:
+    """A stated device memory: bytes (``17179869184``, ``"16GB"``, ``"16GiB"``) or a device of the
+    table (``"v5e"``, ``"tpu-v5e"``, ``"h100"``). Returns ``(bytes, what it was read as)``.
+
+    Example:
+        >>> parse_memory("v5e")[0] == 16 * 2**30, parse_memory("24GB")[0]
+        (True, 24000000000)
+    """
+    import re
+
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return int(value), f"{int(value):,} bytes as stated"
+    text = str(value).strip().lower()
+    key = text if text in DEVICE_SPECS else f"tpu-{text}" if f"tpu-{text}" in DEVICE_SPECS else None
+    if key is not None:
+        spec = DEVICE_SPECS[key]
+        return spec.memory, f"{spec.name} ({spec.source})"
+    found = re.fullmatch(r"([0-9.]+)\s*(gib|gb|mib|mb|tib|tb)", text)
+    if found:
+        unit = {"gib": GIB, "gb": GB, "mib": 2**20, "mb": 10**6, "tib": 2**40, "tb": 10**12}[found.group(2)]
+        return int(float(found.group(1)) * unit), f"{value} as stated"
+    raise ValueError(
+        f"device_memory={value!r} is not valid: give bytes, a size such as '16GB' or '80GiB', or a device: "
+        f"{', '.join(sorted(DEVICE_SPECS))}"
+    )
+
+
+def host_memory_available() -> int | None:
+    """Bytes the kernel says can be allocated now without swapping (``MemAvailable``)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None

@@ -158,6 +158,83 @@ def _optimizer_multiple(optimizer: torch.optim.Optimizer) -> int:
     return OPTIMIZER_STATE_PER_PARAM.get(name, 2)
 
 
+def weight_bytes(module: torch.nn.Module, dtype: torch.dtype | None = None) -> int:
+    """Bytes of ``module``'s distinct parameters whole (a sharded one at its whole size), in
+    ``dtype`` or their own."""
+    params = {id(p): p for p in module.parameters()}.values()
+    return sum(p.numel() * (torch.empty((), dtype=dtype or p.dtype).element_size()) for p in params)
+
+
+def planned_state_bytes(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+    local_part: Callable[[torch.Tensor], tuple[torch.Size, torch.dtype]], *, count_scalars: bool = True,
+) -> dict[str, Any]:
+    """Bytes one device will hold of parameters, gradients and optimizer state once a step has
+    run, known before it (``local_part(p)``: the shape and dtype of this device's part of ``p``).
+
+    Gradients: one per parameter that trains, shaped as its part. Optimizer state: what the
+    optimizer holds if it has stepped; else what one step of a copy of it over ``meta`` tensors
+    of those shapes creates (no memory, no compute; any ``torch.optim`` optimizer, and others
+    built as they are); else, for one that cannot be copied so, its kind's usual count.
+    ``optimizer_source`` says which. ``count_scalars=False`` leaves 0-d state out (XLA's count).
+    """
+    params = list({id(p): p for p in model.parameters()}.values())
+    parts = {id(p): local_part(p) for p in params}
+
+    def nbytes(shape: torch.Size, dtype: torch.dtype) -> int:
+        return shape.numel() * torch.empty((), dtype=dtype).element_size()
+
+    out: dict[str, Any] = {
+        "parameters": sum(nbytes(*parts[id(p)]) for p in params),
+        "gradients": sum(nbytes(*parts[id(p)]) for p in params if p.requires_grad),
+    }
+    if optimizer.state:
+        out["optimizer"] = sum(
+            nbytes(*local_part(v)) for v in {id(v): v for st in optimizer.state.values() for v in st.values()
+                                              if isinstance(v, torch.Tensor) and (count_scalars or v.dim() > 0)}.values()
+        )
+        out["optimizer_source"] = "its state"
+        return out
+    try:
+        out["optimizer"] = _meta_step_bytes(optimizer, parts, count_scalars)
+        out["optimizer_source"] = f"one step of {type(optimizer).__name__} on meta tensors"
+    except Exception:  # a custom optimizer that cannot be rebuilt or stepped so: its kind's usual count
+        out["optimizer"] = _optimizer_multiple(optimizer) * out["gradients"]
+        out["optimizer_source"] = f"estimated: {_optimizer_multiple(optimizer)} tensor(s) per parameter"
+    return out
+
+
+def _meta_step_bytes(
+    optimizer: torch.optim.Optimizer, parts: dict[int, tuple[torch.Size, torch.dtype]], count_scalars: bool
+) -> int:
+    copies: dict[int, torch.nn.Parameter] = {}
+    # Fused and capturable steps keep their state on the parameters' device, which the meta
+    # device is not; the state they make has the same size either way.
+    device_bound = {"fused": None, "capturable": False}
+    groups = []
+    for group in optimizer.param_groups:
+        members = []
+        for p in group["params"]:
+            if id(p) not in copies:
+                shape, dtype = parts[id(p)]
+                copy = torch.nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"), requires_grad=p.requires_grad)
+                copy.grad = torch.empty_like(copy) if p.requires_grad else None
+                copies[id(p)] = copy
+            members.append(copies[id(p)])
+        groups.append({**group, "params": members, **{k: v for k, v in device_bound.items() if k in group}})
+    # Each group carries every setting; the constructor gets those of its own that it takes (some
+    # optimizers keep more in their defaults than their constructor accepts).
+    import inspect
+
+    takes = inspect.signature(type(optimizer).__init__).parameters
+    defaults = {k: v for k, v in {**optimizer.defaults, **device_bound}.items() if k in takes and k in optimizer.defaults}
+    stepped = type(optimizer)(groups, **defaults)
+    with torch.no_grad():
+        stepped.step()
+    state = {id(v): v for st in stepped.state.values() for v in st.values() if isinstance(v, torch.Tensor)}
+    return sum(v.numel() * v.element_size() for v in state.values() if count_scalars or v.dim() > 0)
+
+
 def checkpoint_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, int]:
     """``(weights, optimizer state)``: bytes a checkpoint of the whole model holds (every process's
     part together), from the real tensors; optimizer state not made yet is estimated from its kind."""

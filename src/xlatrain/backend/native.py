@@ -118,6 +118,55 @@ class NativeRuntime:
             self._pending.pop(0)
             fn(*host)
 
+    def peak_flops(self, dtype: torch.dtype) -> tuple[float, str] | None:
+        """Dense peak FLOP/s of this device in ``dtype`` (float32 or bfloat16), and its source."""
+        from xlatrain.backend.hardware import spec_for_name, tpu_spec
+
+        spec = None
+        if self.kind == "cuda":
+            spec = spec_for_name(torch.cuda.get_device_name(self.device))
+        elif self.kind == "tpu":
+            spec = tpu_spec()
+        if spec is not None:
+            rate = spec.peak_bf16 if dtype != torch.float32 or spec.peak_fp32 is None else spec.peak_fp32
+            return rate, spec.source
+        if self.kind != "cpu":
+            return None  # a GPU or TPU the table does not know: no figure rather than a wrong one
+        from xlatrain.backend.peak import measured_peak
+
+        return measured_peak(self.device, dtype, lambda t: None, "cpu")
+
+    def memory_capacity(self) -> tuple[int, str] | None:
+        """Bytes the device can hold, and where the figure comes from."""
+        if self.kind == "cuda":
+            return torch.cuda.mem_get_info(self.device)[1], f"{torch.cuda.get_device_name(self.device)} (CUDA)"
+        if self.kind == "tpu":
+            # TorchTPU's allocator: (free, limit) of this device.
+            limit = torch.accelerator.get_memory_info()[1]
+            return (limit, "TorchTPU's memory limit for this device") if limit else None
+        from xlatrain.backend.hardware import host_memory_available
+
+        available = host_memory_available()
+        if not available:
+            return None
+        # The processes torchrun started on this host share its memory.
+        local = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), 1)
+        shared = f", shared by {local} processes" if local > 1 else ""
+        return available // local, f"the host's available memory{shared}"
+
+    def memory_peak(self) -> tuple[int, str] | None:
+        """The most memory this process held on the device so far, and what that figure is."""
+        if self.kind == "cuda":
+            return torch.cuda.max_memory_allocated(self.device), "CUDA's peak allocated"
+        if self.kind == "tpu":
+            stats = torch.accelerator.memory_stats()
+            peak = stats.get("active_bytes.all.peak")
+            return (int(peak), "TorchTPU's peak bytes in use") if peak else None
+        import resource
+
+        # ru_maxrss is in KiB on Linux: the whole process's peak, Python and libraries included.
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "the process's peak resident memory"
+
     def planned_transfers(self) -> contextlib.AbstractContextManager[None]:
         """Device reads inside are planned ones (nothing to count: diagnostics count XLA's only)."""
         return contextlib.nullcontext()

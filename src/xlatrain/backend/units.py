@@ -11,8 +11,9 @@ classes (or class names, from YAML) or a function ``fn(module) -> bool``.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Union
 
 import torch
@@ -85,7 +86,23 @@ def apply_activation_checkpointing(
     which keeps the XLA compiler from merging the recomputation back into the forward pass.
     """
     for module in modules:
-        module.forward = functools.partial(checkpoint or _checkpointed, module.forward)  # type: ignore[method-assign]
+        wrapped = functools.partial(checkpoint or _checkpointed, module.forward)
+        wrapped.xlatrain_checkpointed = True  # type: ignore[attr-defined]
+        module.forward = wrapped  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def without_checkpointing(modules: Sequence[torch.nn.Module]) -> Iterator[None]:
+    """Inside, each module that :func:`apply_activation_checkpointing` wrapped runs its own
+    forward again (keeping its activations), so a measurement sees what each one would keep."""
+    wrapped = [(m, m.forward) for m in modules if getattr(m.forward, "xlatrain_checkpointed", False)]
+    for module, forward in wrapped:
+        module.forward = forward.args[0]  # type: ignore[attr-defined, method-assign]
+    try:
+        yield
+    finally:
+        for module, forward in wrapped:
+            module.forward = forward  # type: ignore[method-assign]
 
 
 def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -127,6 +127,7 @@ class XlaRuntime:
         self.device = torch_xla.device()
         self._device_type = xr.device_type() or "CPU"
         self.planned_reads = 0  # host reads made through defer/read
+        self._own_stats: dict[str, float] = {}  # what peak_flops's own measurement compiled: not the run's
         self._counting = False  # inside planned_transfers, which counts the reads itself
         # XLA:CPU is this host's CPU: diagnostics judge it as a CPU, not as an accelerator.
         kind = self._device_type.upper()
@@ -172,6 +173,55 @@ class XlaRuntime:
         # One transfer for the whole list (what xm.save uses), not one per tensor.
         return list(xm._maybe_convert_to_cpu(list(tensors))) if tensors else []
 
+    def peak_flops(self, dtype: torch.dtype) -> tuple[float, str] | None:
+        """Dense peak FLOP/s of one device: a TPU's published figure, else (XLA:CPU) measured."""
+        from xlatrain.backend.hardware import tpu_spec
+
+        if self.platform == "tpu":
+            spec = tpu_spec()
+            return (spec.peak_bf16, spec.source) if spec is not None else None
+        if self.platform != "cpu":
+            return None
+        import torch_xla.core.xla_model as xm
+        from xlatrain.backend.peak import measured_peak
+
+        # The host's cores serve every virtual device: one device's share of the measured rate.
+        # Only the matmul is computed (the run's pending work stays pending); it compiles once per
+        # machine, then the figure is cached: the run's compile counts leave it out.
+        before = self.runtime_stats()
+        rate, source = measured_peak(self.device, dtype, lambda t: xm.unlazy([t]), "XLA:CPU")
+        after = self.runtime_stats()
+        for key, value in after.items():
+            self._own_stats[key] = self._own_stats.get(key, 0) + value - before.get(key, 0)
+        return rate / self.num_devices, f"{source}, shared by {self.num_devices} virtual device(s)"
+
+    def memory_capacity(self) -> tuple[int, str] | None:
+        from xlatrain.backend.hardware import host_memory_available
+
+        try:
+            import torch_xla.core.xla_model as xm
+
+            info = xm.get_memory_info(self.device)
+            limit = info.get("bytes_limit") or info.get("kb_total", 0) * 1024
+            if limit:
+                return int(limit), "torch_xla's memory limit for this device"
+        except (RuntimeError, NotImplementedError, AttributeError):
+            pass  # XLA:CPU has none (UNIMPLEMENTED): its devices share the host's memory
+        available = host_memory_available()
+        if available and self.platform == "cpu":
+            return available // self.num_devices, f"the host's available memory, shared by {self.num_devices} device(s)"
+        return None
+
+    def memory_peak(self) -> tuple[int, str] | None:
+        try:
+            import torch_xla.core.xla_model as xm
+
+            info = xm.get_memory_info(self.device)
+            peak = info.get("peak_bytes_used")
+            return (int(peak), "torch_xla's peak bytes in use") if peak else None
+        except (RuntimeError, NotImplementedError, AttributeError):
+            return None
+
     @contextlib.contextmanager
     def planned_transfers(self) -> Iterator[None]:
         """Count every device-to-host transfer inside as planned (a sharded checkpoint reads
@@ -202,7 +252,7 @@ class XlaRuntime:
             for name, key in (("PersistentCacheHit", "hits"), ("PersistentCacheMiss", "misses"),
                               ("PersistentCacheDeserializeFailure", "load_failures")):
                 stats[f"xla_cache_{key}"] = met.counter_value(name) or 0
-        return stats
+        return {key: value - self._own_stats.get(key, 0) for key, value in stats.items()}
 
     def seed_everything(self, seed: int) -> None:
         import torch_xla.core.xla_model as xm

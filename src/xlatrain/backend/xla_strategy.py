@@ -31,15 +31,16 @@ class XlaStrategy:
     def __init__(self, runtime: Any, *, units: UnitPolicy = None, activation_checkpointing: bool = False) -> None:
         self._runtime = runtime
         self._units_policy = units
-        self._checkpointing = activation_checkpointing
+        self.activation_checkpointing = activation_checkpointing
         self.units: list[str] = []
+        self.unit_modules: list[torch.nn.Module] = []
 
     @property
     def is_main(self) -> bool:
         return self.process_index == 0
 
     def _checkpointing_note(self) -> str:
-        if not self._checkpointing:
+        if not self.activation_checkpointing:
             return ""
         return f", activation checkpointing of {len(self.units)} unit(s) ({', '.join(sorted(set(self.units))) or 'none found'})"
 
@@ -47,7 +48,8 @@ class XlaStrategy:
         """Move ``model`` onto the device (ties kept); returns its units, checkpointed if asked."""
         units = [m for _, m in find_units(model, self._units_policy)]
         self.units = [type(m).__name__ for m in units]
-        if self._checkpointing:
+        self.unit_modules = units
+        if self.activation_checkpointing:
             from torch_xla.utils.checkpoint import checkpoint
 
             apply_activation_checkpointing(units, checkpoint)
@@ -128,6 +130,12 @@ class XlaStrategy:
     def state_bytes(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
         return device_state_bytes(model, optimizer)
 
+    def gathered_bytes(self, model: torch.nn.Module, precision: Precision) -> int:
+        return 0  # under SPMD the compiler schedules the gathers: no figure known before it compiles
+
+    def planned_state_bytes(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return model_state.planned_state_bytes(model, optimizer, device_part, count_scalars=False)
+
 
 def _prime_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Create the optimizer's state (as DCP does before a load) and run it, so its tensors carry
@@ -137,6 +145,17 @@ def _prime_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
 
     get_state_dict(model, optimizer)
     torch_xla.sync()
+
+
+def device_part(t: torch.Tensor) -> tuple[torch.Size, torch.dtype]:
+    """Shape and dtype of the part of ``t`` the first device holds (all of a replicated tensor)."""
+    if t.device.type != "xla":
+        return t.shape, t.dtype
+    import torch_xla
+
+    if not torch_xla._XLAC._get_xla_sharding_spec(t):
+        return t.shape, t.dtype  # not sharded (yet): every device holds all of it
+    return torch_xla._XLAC._get_local_shards([t])[0][0][0].shape, t.dtype
 
 
 def device_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
