@@ -29,6 +29,9 @@ HAS_XLA = importlib.util.find_spec("torch_xla") is not None
 from xlatrain.backend.hardware import settle_libtpu_without_tpu, skip_idle_torch_tpu_autoload  # noqa: E402
 
 settle_libtpu_without_tpu()
+# Caches xlatrain keeps per machine (compiled programs, the measured matmul peak) stay out of the
+# user's home, in this process and in every script a test starts.
+os.environ.setdefault("XLATRAIN_CACHE_DIR", str(Path(tempfile.gettempdir()) / "xlatrain-test-cache"))
 _SCRIPT_ENV: dict[str, str] = {}
 skip_idle_torch_tpu_autoload(_SCRIPT_ENV)
 _deselected_xla: list[str] = []

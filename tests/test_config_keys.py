@@ -60,6 +60,8 @@ ELSEWHERE = {
     "backend.units": ("backend/test_units.py", "test_activation_checkpointing_and_units_reach_the_model_through_the_config"),
     "backend.activation_checkpointing": (
         "backend/test_units.py", "test_activation_checkpointing_and_units_reach_the_model_through_the_config"),
+    "backend.device_memory": (
+        "train/test_perf.py", "test_a_model_that_cannot_fit_a_stated_device_is_refused_before_its_first_step"),
     "backend.tpu_runtime": (
         "backend/test_runtimes.py", "test_a_forced_runtime_that_cannot_run_names_what_each_found_and_how_to_install"),
     "checkpoint.every_steps": ("train/test_resume.py", "test_sigterm_mid_epoch_then_resume_is_bitwise_identical_on_cpu"),
@@ -85,12 +87,18 @@ HERE = {
     "schedule.name": "test_a_recipe_key_changes_what_is_built",
     "schedule.step_size": "test_a_recipe_key_changes_what_is_built",
     "schedule.gamma": "test_a_recipe_key_changes_what_is_built",
+    "model.layers": "test_a_recipe_key_changes_what_is_built",
+    "model.heads": "test_a_recipe_key_changes_what_is_built",
+    "model.positions": "test_a_recipe_key_changes_what_is_built",
+    "schedule.warmup_steps": "test_a_recipe_key_changes_what_is_built",
+    "schedule.min_lr_ratio": "test_a_recipe_key_changes_what_is_built",
     "optimizer.momentum (adam)": "test_keys_a_choice_does_not_use_are_refused",
     "schedule.step_size (cosine)": "test_keys_a_choice_does_not_use_are_refused",
 }
 
 # Recipe data keys: recipe -> key -> the test here.
 DATA_KEYS = {
+    "lm": {k: "test_a_recipe_key_changes_what_is_built" for k in ("context", "val_percent", "max_train_bytes", "max_val_bytes")},
     "digits": {k: "test_a_recipe_key_changes_what_is_built" for k in ("image_size", "val_fraction", "seed")},
     "depth_mask": {
         k: "test_a_recipe_key_changes_what_is_built"
@@ -138,8 +146,11 @@ PE_BASE = (
     "data.num_folds=3", "data.workers=1", "trainer.num_workers=0",
 )
 BASE = {"digits": (), "depth_mask": ("data.num_train=8", "data.num_val=4", "data.image_size=32", "model.width=8",
-                                     "model.blocks=[1,1,1,1]"), "pe_detection": PE_BASE}
-CONFIG = {"digits": "configs/digits.yaml", "depth_mask": "configs/depth_mask.yaml", "pe_detection": "configs/pe_detection.yaml"}
+                                     "model.blocks=[1,1,1,1]"), "pe_detection": PE_BASE,
+        "lm": ("data.max_train_bytes=20000", "data.max_val_bytes=5000", "data.context=32", "model.width=32",
+               "model.layers=1", "model.heads=2", "schedule.warmup_steps=2")}
+CONFIG = {"digits": "configs/digits.yaml", "depth_mask": "configs/depth_mask.yaml", "pe_detection": "configs/pe_detection.yaml",
+          "lm": "configs/lm.yaml"}
 
 
 def _config(recipe, *sets):
@@ -172,7 +183,12 @@ def _built(recipe, root, *sets):
         iter(parts.val_data.eval_batches(loader_batch=4, num_processes=1, process_index=0)))[0]
     optimizer = optimizer_factory(config.optimizer)(parts.model.parameters())
     make_schedule = scheduler_factory(config.schedule, config.trainer.epochs)
-    schedule = make_schedule(optimizer) if make_schedule else None
+    if config.schedule.name == "warmup_cosine":  # it needs the run's length in optimizer steps
+        from xlatrain import RunShape
+
+        schedule = make_schedule(optimizer, RunShape(total_steps=8, steps_per_epoch=8, epochs=1))
+    else:
+        schedule = make_schedule(optimizer) if make_schedule else None
     rates = []
     for _ in range(4):
         rates.append(round(optimizer.param_groups[0]["lr"], 8))
@@ -188,6 +204,8 @@ def _built(recipe, root, *sets):
         "optimizer": (type(optimizer).__name__, json.dumps(group, sort_keys=True, default=str)),
         "rates": rates,
     }
+    if recipe == "lm":  # heads change no parameter's shape, but what the model computes
+        out["output"] = _digest(parts.model(train_x[None]).detach())
     if recipe == "depth_mask":
         torch.manual_seed(0)
         outputs = parts.model(train_x[None])
@@ -229,6 +247,15 @@ CHANGES = [
     ("pe_detection", "data.hflip=0.0", "data.hflip=1.0"),
     ("pe_detection", "data.rotate_degrees=0", "data.rotate_degrees=30"),
     ("pe_detection", "data.source=shards", "data.source=folder"),
+    ("lm", "data.context=32", "data.context=48"),
+    ("lm", "data.val_percent=5", "data.val_percent=50"),
+    ("lm", "data.max_train_bytes=20000", "data.max_train_bytes=24000"),
+    ("lm", "data.max_val_bytes=5000", "data.max_val_bytes=6000"),
+    ("lm", "model.layers=1", "model.layers=2"),
+    ("lm", "model.heads=2", "model.heads=4"),
+    ("lm", "model.positions=rotary", "model.positions=learned"),
+    ("lm", "schedule.warmup_steps=2", "schedule.warmup_steps=3"),
+    ("lm", "schedule.min_lr_ratio=0.1", "schedule.min_lr_ratio=0.5"),
 ]
 NEEDS = {  # settings a change needs so that the key applies at all
     # digits.yaml sets step_size and gamma, which only a step schedule takes

@@ -23,6 +23,8 @@ _EXPORTS = {
     "CheckpointConfig": "xlatrain.config",
     "TrainConfig": "xlatrain.config",
     "DiagnosticsError": "xlatrain.diagnostics.run",
+    "DoesNotFitError": "xlatrain.train.trainer",
+    "ModelParameters": "xlatrain.train.trainer",
     "NonFiniteLossError": "xlatrain.train.trainer",
     "RunShape": "xlatrain.train.trainer",
     "Trainer": "xlatrain.train.trainer",
@@ -51,4 +53,4 @@ if TYPE_CHECKING:
     from xlatrain.checkpoint import load_weights, save_weights
     from xlatrain.config import BackendConfig, CheckpointConfig, TrainConfig
     from xlatrain.diagnostics.run import DiagnosticsError
-    from xlatrain.train.trainer import NonFiniteLossError, RunShape, Trainer
+    from xlatrain.train.trainer import DoesNotFitError, ModelParameters, NonFiniteLossError, RunShape, Trainer

@@ -90,6 +90,10 @@ class BackendConfig:
             torch's own layers (transformer layers, ResNet blocks), outermost first.
         activation_checkpointing: recompute each unit's activations during backward instead of
             keeping them: less memory for about one more forward pass of compute.
+        device_memory: what one device holds, to plan for a device other than this one (``"v5e"``,
+            ``"tpu-v6e"``, ``"h100"``, ``"16GB"``, ``"80GiB"`` or bytes): the memory check before
+            the first step measures against it instead of what the runtime reports. Known devices:
+            ``xlatrain.backend.hardware.DEVICE_SPECS``.
     """
 
     accelerator: str = "auto"
@@ -100,9 +104,14 @@ class BackendConfig:
     strategy: str = "auto"
     units: Any = None
     activation_checkpointing: bool = False
+    device_memory: str | int | None = None
 
     def __post_init__(self) -> None:
         _choice("accelerator", self.accelerator, ACCELERATORS)
+        if self.device_memory is not None:
+            from xlatrain.backend.hardware import parse_memory
+
+            parse_memory(self.device_memory)  # a ValueError naming the forms it takes
         _choice("xla_mode", self.xla_mode, XLA_MODES)
         _choice("tpu_runtime", self.tpu_runtime, TPU_RUNTIMES)
         _choice("strategy", self.strategy, STRATEGIES)
@@ -322,7 +331,7 @@ def load_yaml(text: str, source: str = "<config>") -> dict[str, Any]:
 # --- a whole run, as `xlatrain fit CONFIG.yaml` reads it -------------------------------------
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
-SCHEDULES = ("none", "step", "cosine")
+SCHEDULES = ("none", "step", "cosine", "warmup_cosine")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -331,14 +340,22 @@ class ModelConfig:
 
     name: str = "small_cnn"
     pretrained: bool | str = False
-    width: int | None = None  # for resnet_unet / small_cnn
+    width: int | None = None  # for resnet_unet / small_cnn / byte_gpt (model width)
     blocks: list[int] | None = None  # residual blocks per stage, resnet_unet only
+    layers: int | None = None  # byte_gpt (the lm recipe) only: transformer blocks
+    heads: int | None = None  # byte_gpt only: attention heads
+    positions: str | None = None  # byte_gpt only: "rotary" or "learned"
 
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("model.name is empty: give a model name such as 'resnet18'")
         if self.width is not None:
             _positive_int("model.width", self.width)
+        for key in ("layers", "heads"):
+            if getattr(self, key) is not None:
+                _positive_int(f"model.{key}", getattr(self, key))
+        if self.positions is not None:
+            _choice("model.positions", self.positions, ("rotary", "learned"))
         if self.blocks is not None:
             if not isinstance(self.blocks, (list, tuple)) or not self.blocks:
                 raise ValueError(f"model.blocks={self.blocks!r} is not valid: give residual blocks per stage, e.g. [2, 2, 2, 2]")
@@ -368,20 +385,31 @@ class OptimizerConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ScheduleConfig:
-    """LR schedule, stepped per ``trainer.scheduler_interval``: StepLR or cosine over all epochs."""
+    """LR schedule, stepped per ``trainer.scheduler_interval``: StepLR or cosine over all epochs, or
+    ``warmup_cosine``: a linear warmup over ``warmup_steps`` optimizer steps, then a cosine to
+    ``min_lr_ratio`` of the rate at the last step (stepped every optimizer step)."""
 
     name: str = "none"
     step_size: int | None = None  # step only (default 1)
     gamma: float | None = None  # step only (default 0.5)
+    warmup_steps: int | None = None  # warmup_cosine only (default 0)
+    min_lr_ratio: float | None = None  # warmup_cosine only (default 0.1)
 
     def __post_init__(self) -> None:
         _choice("schedule.name", self.name, SCHEDULES)
-        given = [k for k in ("step_size", "gamma") if getattr(self, k) is not None]
-        if given and self.name != "step":
+        uses = {"step": ("step_size", "gamma"), "warmup_cosine": ("warmup_steps", "min_lr_ratio")}
+        given = [k for k in ("step_size", "gamma", "warmup_steps", "min_lr_ratio")
+                 if getattr(self, k) is not None and k not in uses.get(self.name, ())]
+        if given:
+            owner = next(name for name, keys in uses.items() if given[0] in keys)
             raise ValueError(
                 f"schedule.{given[0]} is set but schedule.name={self.name!r} does not use it: remove the key "
-                f"(on the command line: --set schedule.{given[0]}=null), or use schedule.name: step"
+                f"(on the command line: --set schedule.{given[0]}=null), or use schedule.name: {owner}"
             )
+        if self.warmup_steps is not None:
+            _positive_int("schedule.warmup_steps", self.warmup_steps, minimum=0)
+        if self.min_lr_ratio is not None and not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"schedule.min_lr_ratio={self.min_lr_ratio!r} is not valid: give a fraction of the rate, 0 to 1")
         if self.step_size is not None:
             _positive_int("schedule.step_size", self.step_size)
         if self.gamma is not None and not self.gamma > 0:
@@ -453,6 +481,11 @@ def run_config_from_dict(data: dict[str, Any]) -> RunConfig:
     if not isinstance(data_section, dict):
         raise ValueError(f"data must be a mapping, got {data_section!r}")
     sections = {name: from_dict(cls, data.get(name) or {}, section=name) for name, cls in SECTIONS.items()}
+    if sections["schedule"].name == "warmup_cosine" and sections["trainer"].scheduler_interval != "step":
+        raise ValueError(
+            "schedule.name=warmup_cosine counts optimizer steps: set trainer.scheduler_interval: step "
+            f"(it is {sections['trainer'].scheduler_interval!r})"
+        )
     return RunConfig(recipe=str(data["recipe"]), data=dict(data_section), **sections)
 
 

@@ -82,6 +82,7 @@ class EpochProgress:
             first interval after a resume reports its own mean; ``None`` with ``start_step`` > 0
             makes that first interval report the epoch mean instead.
         stream: where the bar draws (default: ``sys.stderr``).
+        rate_note: what else a rate of samples/s means (tokens/s, MFU), shown after it.
 
     Example:
         >>> with EpochProgress(1, 100, 0, samples_per_step=256, interactive=False, log=print) as p:
@@ -102,8 +103,10 @@ class EpochProgress:
         log: Callable[[str], None],
         start_loss_sum: float | None = None,
         stream: IO[str] | None = None,
+        rate_note: Callable[[float], str] | None = None,
     ) -> None:
         self.epoch = epoch
+        self._rate_note = rate_note
         self.num_steps = num_steps
         self._samples_per_step = samples_per_step
         self._log = log
@@ -161,16 +164,18 @@ class EpochProgress:
         bad = int(nonfinite)
         stats = IntervalStats(step, epoch_loss, interval_loss, rate, bad)
         note = f"  ({bad} non-finite steps)" if bad > 0 else ""
+        extra = self._rate_note(rate) if self._rate_note is not None else ""
+        rate_text = f"{rate:,.0f} samples/s" + (f", {extra}" if extra else "")
         if self._interactive:
             # A read that lands after close (CUDA runs pending reads at the epoch-end read) is
             # not shown: its bar is gone, and the epoch line follows.
             if self._bar is not None:
-                self._bar.set_postfix_str(f"loss {epoch_loss:.4f}, {rate:,.0f} samples/s{note}", refresh=False)
+                self._bar.set_postfix_str(f"loss {epoch_loss:.4f}, {rate_text}{note}", refresh=False)
                 self.advance(step)
                 self._bar.refresh()
         else:
             self._log(
-                f"  epoch {self.epoch} step {step}/{self.num_steps}  loss {epoch_loss:.4f}  {rate:,.0f} samples/s{note}"
+                f"  epoch {self.epoch} step {step}/{self.num_steps}  loss {epoch_loss:.4f}  {rate_text}{note}"
             )
         return stats
 

@@ -199,9 +199,11 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
         lines += [f"- XLA compilations: {rows[0]['xla_compilations']} in epoch 1, {growth} after it"]
     diagnostics = run_dir / "diagnostics.json"
     if diagnostics.is_file():
-        findings = json.loads(diagnostics.read_text()).get("findings", [])
+        report = json.loads(diagnostics.read_text())
+        findings = report.get("findings", [])
         lines += ["", "## Diagnostics", ""]
         lines += [f"- {f.get('title', f)}: {f.get('fix', '')}" for f in findings] or ["- no findings"]
+        lines += _memory_and_throughput(report, last)
     profile = run_dir / "profile" / "summary.json"
     if profile.is_file():
         from xlatrain.diagnostics.profile import render_summary
@@ -211,6 +213,39 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
     lines += ["", "## Plots", ""] + [f"![{n}]({n})" for n in sorted(plots)] + [""]
     atomic_write_text(out / "summary.md", "\n".join(lines))
     return out
+
+
+def _memory_and_throughput(report: dict[str, Any], last: dict[str, Any]) -> list[str]:
+    """The memory plan, the measured peak and the last epoch's throughput, as diagnostics.json has them."""
+    from xlatrain.train.perf import human_bytes, human_flops
+
+    memory, speed = report.get("memory"), report.get("throughput")
+    if not memory and not speed:
+        return []
+    lines = ["", "## Memory and throughput", ""]
+    if memory:
+        line = (f"- memory per device, estimated before the first step: {human_bytes(memory['estimate'])} (parameters "
+                f"{human_bytes(memory['parameters'])}, gradients {human_bytes(memory['gradients'])}, optimizer state "
+                f"{human_bytes(memory['optimizer'])}, activations {human_bytes(memory['activations'])} at batch "
+                f"{memory['batch_per_device']}" + (f", gathered weights {human_bytes(memory['gathered'])}" if memory["gathered"] else "")
+                + ")")
+        if memory.get("capacity"):
+            line += f" of {human_bytes(memory['capacity'])} ({memory['capacity_source']})"
+        lines.append(line)
+        if "measured_peak" in memory:
+            lines.append(f"- measured peak: {human_bytes(memory['measured_peak'])} ({memory['measured_peak_source']})")
+    if speed and speed.get("flops_per_sample"):
+        line = f"- model FLOPs: {human_flops(speed['flops_per_sample'])} per sample ({speed['flops_source']})"
+        if speed.get("peak_per_device"):
+            line += (f"; device peak {human_flops(speed['peak_per_device'])}/s {speed['dtype']} "
+                     f"({speed['peak_source']})")
+        lines.append(line)
+    rates = [f"{last[k]:,.0f} {unit}" for k, unit in (("samples_per_s", "samples/s"), ("tokens_per_s", "tokens/s")) if k in last]
+    if "mfu" in last:
+        rates.append(f"MFU {100 * last['mfu']:.1f}%")
+    if rates:
+        lines.append("- last epoch: " + ", ".join(rates))
+    return lines
 
 
 def _history(run_dir: Path) -> list[dict[str, Any]]:

@@ -104,7 +104,8 @@ class TensorBoardLog:
         """Whether this process writes events."""
         return self._writer is not None
 
-    def interval(self, step: int, *, loss: float | None, lr: float | None, samples_per_s: float | None) -> None:
+    def interval(self, step: int, *, loss: float | None, lr: float | None, samples_per_s: float | None,
+                 tokens_per_s: float | None = None, mfu: float | None = None) -> None:
         """Log one training interval at optimizer step ``step``; ``None`` values are left out.
 
         At most one point per step is written: where several log intervals fall within one
@@ -115,7 +116,8 @@ class TensorBoardLog:
         if self._last_interval_step is not None and step <= self._last_interval_step:
             return
         self._last_interval_step = step
-        for tag, value in (("train/loss", loss), ("train/lr", lr), ("train/samples_per_s", samples_per_s)):
+        for tag, value in (("train/loss", loss), ("train/lr", lr), ("train/samples_per_s", samples_per_s),
+                           ("train/tokens_per_s", tokens_per_s), ("train/mfu", mfu)):
             if value is not None:
                 self._writer.add_scalar(tag, _host_float(tag, value), step)
         self._writer.flush()

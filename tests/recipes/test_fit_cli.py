@@ -24,7 +24,7 @@ TINY_DM = [
 ]
 
 
-@pytest.mark.parametrize("name", ["digits", "pe_detection", "depth_mask"])
+@pytest.mark.parametrize("name", ["digits", "pe_detection", "depth_mask", "lm"])
 def test_every_shipped_config_loads_and_round_trips(name):
     config = load_run_config(str(CONFIGS / f"{name}.yaml"))
     again = run_config_from_dict(yaml.safe_load(dump_yaml(config)))
@@ -53,7 +53,7 @@ def test_unknown_sections_keys_models_and_recipes_list_the_valid_ones(tmp_path, 
     err = capsys.readouterr().err
     assert "resnet19" in err and "resnet18" in err  # the unknown name and the valid ones
     assert main(["fit", base, "--set", "recipe=mnist"]) == 2
-    assert "unknown recipe 'mnist': choose one of depth_mask, digits, pe_detection" in capsys.readouterr().err
+    assert "unknown recipe 'mnist': choose one of depth_mask, digits, lm, pe_detection" in capsys.readouterr().err
 
 
 def test_pretrained_true_is_refused_with_the_fix(capsys):

@@ -38,18 +38,21 @@ LOG_EVERY = 3  # steps between progress lines (each a planned device read)
 
 
 class Net(nn.Module):
-    def __init__(self, planted_gain: bool, steps_per_epoch: int) -> None:
+    def __init__(self, planted_gain: bool, steps_per_epoch: int, step_batch: int) -> None:
         super().__init__()
         self.conv = nn.Conv2d(3, 4, 3, padding=1)
         self.head = nn.Linear(4, 2)
         self.planted_gain = planted_gain
         self.switch_at = steps_per_epoch + GAIN_STEP  # the 1-based training forward that switches
+        self.step_batch = step_batch  # rows a training step's forward sees
         self.train_calls = 0  # host-side count of training forwards
 
     def forward(self, x):
         x = torch.relu(self.conv(x)).mean(dim=(2, 3))
         if self.planted_gain:
-            if self.training:
+            # Training steps only: the memory plan's forwards before the first step (a few
+            # samples) are not steps.
+            if self.training and x.shape[0] == self.step_batch:
                 self.train_calls += 1
             x = x * (1.0 if self.train_calls >= self.switch_at else 0.5)
         return self.head(x)
@@ -115,7 +118,7 @@ def main() -> None:
         train = SlowImages(images, labels, delay_s=0.03)
     per_step = BATCH * (devices or 1)
     torch.manual_seed(0)
-    model = Net(planted_gain=cause == "scalar", steps_per_epoch=NUM_SAMPLES // per_step)
+    model = Net(planted_gain=cause == "scalar", steps_per_epoch=NUM_SAMPLES // per_step, step_batch=per_step)
     trainer = xlatrain.Trainer(
         model, item_loss if cause == "item" else nn.CrossEntropyLoss(),
         lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),

@@ -4,8 +4,9 @@ Usage: python strategy_fit.py RUN_DIR ACCELERATOR STRATEGY EPOCHS PER_DEVICE_BAT
 keys: opt=adamw (default SGD with momentum)  accum=N  clip=X  precision=bf16  every=N (checkpoint every N optimizer steps)  meta=1
 (build on the meta device)  ac=1 (activation checkpointing)  predict=1  final=1 (save the final
 weights)  devices=N
-The main process prints HISTORY (per-epoch rows), FACTS (per process: what it holds) and, with
-predict=1, PREDICT (the validation outputs in dataset order).
+The main process prints HISTORY (per-epoch rows), FACTS (per process: what it holds), MEMORY (per
+process: the memory plan made before the first step and the real state bytes after a backward
+pass) and, with predict=1, PREDICT (the validation outputs in dataset order).
 """
 
 import functools
@@ -96,7 +97,19 @@ def main() -> None:
     outputs = trainer.predict(data(40, 2)) if opts.get("predict") == "1" else None
     if opts.get("final") == "1":
         trainer.save_weights(f"{run_dir}/final.safetensors")
+    # What the memory plan said before the first step, beside the real tensors once a backward
+    # pass has made gradients (the Trainer's own steps drop them at once).
+    tokens, targets = data(4, 3).tensors
+    nn.CrossEntropyLoss()(trainer.model(tokens.to(trainer.runtime.device)), targets.to(trainer.runtime.device)).backward()
+    trainer.runtime.step_end()
+    plan = trainer.memory_plan.as_dict()
+    memory = st.gather_objects({
+        "plan": {k: plan[k] for k in ("parameters", "gradients", "optimizer", "optimizer_source", "gathered")},
+        "real": st.state_bytes(trainer.model, trainer.optimizer),
+    })
+    trainer.optimizer.zero_grad(set_to_none=True)
     if st.is_main:
+        print("MEMORY " + json.dumps(memory))
         print("HISTORY " + json.dumps(history))
         print("FACTS " + json.dumps(facts))
         if outputs is not None:

@@ -20,6 +20,7 @@ from conftest import SCRIPTS, run_command
 
 SCRIPT = str(SCRIPTS / "strategy_fit.py")
 REL = 1e-5
+VOCAB_DIM = 16 * 32  # the script's tied embedding: VOCAB x DIM
 # 192 samples, global batch 24 in micro-batches of 12 per process x 2 processes, 2 micro-batches
 # per optimizer step: 4 optimizer steps per epoch; a checkpoint every 3 lands mid-epoch 2 (step 6).
 COMMON = ["accum=2", "clip=0.5", "every=3", "final=1", "predict=1"]
@@ -36,7 +37,7 @@ def _fit(run_dir, accelerator, strategy, epochs, batch, *opts, launcher=(sys.exe
     found = {}
     for line in proc.stdout.splitlines():
         tag, _, payload = line.partition(" ")
-        if tag in ("HISTORY", "FACTS", "PREDICT"):
+        if tag in ("HISTORY", "FACTS", "PREDICT", "MEMORY"):
             assert tag not in found, f"{tag} printed twice (by more than the main process):\n{proc.stdout}"
             found[tag] = json.loads(payload)
     found["stdout"] = proc.stdout
@@ -100,6 +101,32 @@ def test_each_fsdp_process_holds_half_of_the_state_and_each_ddp_process_all_of_i
     for facts in d["FACTS"]:
         assert facts["holds"]["parameters"] == facts["whole_parameters"] == facts["holds"]["optimizer"]
         assert facts["parameter_types"] == ["Parameter"] and facts["tied"]
+
+
+def _plan_matches_the_real_state(memory):
+    for process in memory:
+        plan, real = process["plan"], process["real"]
+        assert real["gradients"] > 0 and real["optimizer"] > 0, process
+        # Made before the first step (no gradient, no optimizer state yet), equal to the bytes of
+        # the tensors that exist once a step has run.
+        assert {k: plan[k] for k in real} == real, process
+        assert plan["optimizer_source"] == "one step of SGD on meta tensors"
+
+
+@pytest.mark.multiprocess
+def test_the_memory_plan_before_the_first_step_equals_the_real_state_under_ddp_and_fsdp(ddp, fsdp):
+    (_, d), (_, f) = ddp, fsdp
+    _plan_matches_the_real_state(d["MEMORY"])
+    _plan_matches_the_real_state(f["MEMORY"])
+    assert f["MEMORY"][0]["plan"]["parameters"] < 0.6 * d["MEMORY"][0]["plan"]["parameters"]
+    # FSDP gathers the root's weights (the tied embedding) and two Blocks' for compute; DDP nothing.
+    whole = f["FACTS"][0]["whole_parameters"]
+    embedding = VOCAB_DIM * 4
+    block = (whole - embedding) // 3
+    assert f["MEMORY"][0]["plan"]["gathered"] == embedding + 2 * block and d["MEMORY"][0]["plan"]["gathered"] == 0
+    for out in (d, f):
+        assert "memory per device, before the first step: parameters" in out["stdout"]
+        assert "memory per device: measured peak" in out["stdout"]
 
 
 def _cut_after(run_dir, dest, step):
@@ -223,6 +250,8 @@ def test_spmd_fsdp_trains_the_spmd_data_trajectory_on_four_devices(spmd_fsdp, tm
     replicated = data["FACTS"][0]
     assert replicated["holds"]["parameters"] == replicated["whole_parameters"]
     assert "SPMD FSDP over an 'fsdp' mesh of 4 device(s)" in f["stdout"]
+    _plan_matches_the_real_state(f["MEMORY"])
+    _plan_matches_the_real_state(data["MEMORY"])
 
 
 @pytest.mark.xla

@@ -50,7 +50,7 @@ def _wait_for_line(proc, needle, timeout=60):
     raise AssertionError(f"no line with {needle!r}:\n{''.join(lines)}")
 
 
-TIMING = {"epoch_time_s", "input_bound_share"}  # wall-clock measurements, different in every run
+TIMING = {"epoch_time_s", "input_bound_share", "samples_per_s", "tokens_per_s", "mfu"}  # wall-clock measurements, different in every run
 
 
 def _without_timing(history):
@@ -214,11 +214,12 @@ def test_damaged_or_incomplete_checkpoints_are_skipped_with_a_named_warning(tmp_
 def _tiny_trainer(run_dir, loss_fn=None, **cfg):
     torch.manual_seed(0)
     cfg.setdefault("epochs", 1)
+    cfg.setdefault("batch_size", 4)
     return xlatrain.Trainer(
         nn.Linear(4, 2),
         loss_fn or nn.CrossEntropyLoss(),
         functools.partial(torch.optim.SGD, lr=0.1),
-        config=xlatrain.TrainConfig(batch_size=4, log_every=2, run_dir=str(run_dir), **cfg),
+        config=xlatrain.TrainConfig(log_every=2, run_dir=str(run_dir), **cfg),
         checkpoint=xlatrain.CheckpointConfig(every_steps=1),
         backend="cpu",
     )
@@ -233,20 +234,21 @@ def _tiny_data():
 class NanAtStep:
     """Cross-entropy that returns NaN on the given (1-based) training step: a fault at a known step.
 
-    Calls without gradients (the Trainer's dry run, evaluation) are not steps and do not count.
+    Only calls on a training batch (``batch`` rows, with gradients) count: the Trainer's dry run
+    and evaluation (no gradients) and its memory plan (a few samples) are not steps.
     """
 
-    def __init__(self, step):
-        self.step, self.calls = step, 0
+    def __init__(self, step, batch=5):
+        self.step, self.batch, self.calls = step, batch, 0
 
     def __call__(self, outputs, targets, reduction="mean"):
-        self.calls += torch.is_grad_enabled()
+        self.calls += torch.is_grad_enabled() and len(targets) == self.batch
         loss = nn.functional.cross_entropy(outputs, targets, reduction=reduction)
         return loss * float("nan") if self.calls == self.step else loss
 
 
 def test_nan_policy_stop_names_the_steps_and_keeps_the_last_good_checkpoint(tmp_path):
-    trainer = _tiny_trainer(tmp_path, NanAtStep(5))
+    trainer = _tiny_trainer(tmp_path, NanAtStep(5), batch_size=5)
     with pytest.raises(xlatrain.NonFiniteLossError, match=r"between steps \d+ and \d+ of epoch 1.*latest: step-00000004"):
         trainer.fit(_tiny_data())
     assert latest_name(tmp_path / "checkpoints") == "step-00000004"
@@ -255,14 +257,14 @@ def test_nan_policy_stop_names_the_steps_and_keeps_the_last_good_checkpoint(tmp_
 
 
 def test_nan_policy_skip_step_leaves_weights_finite_and_counts_the_loss_out(tmp_path):
-    trainer = _tiny_trainer(tmp_path, NanAtStep(5), nan_policy="skip_step")
+    trainer = _tiny_trainer(tmp_path, NanAtStep(5), batch_size=5, nan_policy="skip_step")
     history = trainer.fit(_tiny_data())
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
     assert math.isfinite(history[0]["train_loss"])  # the mean over the good steps
 
 
 def test_nan_policy_ignore_trains_on_and_reports_nan(tmp_path):
-    trainer = _tiny_trainer(tmp_path, NanAtStep(5), nan_policy="ignore")
+    trainer = _tiny_trainer(tmp_path, NanAtStep(5), batch_size=5, nan_policy="ignore")
     history = trainer.fit(_tiny_data())
     assert history[0]["train_loss"] != history[0]["train_loss"]
 

@@ -144,6 +144,8 @@ class RunDiagnostics:
         # torch_xla's own analysis of each compilation, when the run asked for it in a file that
         # only this process writes: (path, size before this fit, graphs compiled before this fit).
         self._debug: tuple[str, int, int] | None = None
+        # Figures the Trainer measured, written with the findings (memory, throughput).
+        self.sections: dict[str, Any] = {}
         path = self._debug_file()
         if path is not None and strategy.num_processes == 1:
             self._debug = (path, os.path.getsize(path) if os.path.exists(path) else 0, self._counts[0])
@@ -610,6 +612,7 @@ class RunDiagnostics:
         }
         if self._compile is not None:
             report["torch_compile"] = self._compile.summary()
+        report.update(self.sections)
         if is_main:
             from xlatrain.checkpoint import atomic_write_text
 

@@ -23,6 +23,7 @@ RECIPES = {
     "digits": "xlatrain.recipes.digits",
     "depth_mask": "xlatrain.recipes.depth_mask.recipe",
     "pe_detection": "xlatrain.recipes.pe_detection.recipe",
+    "lm": "xlatrain.recipes.lm.recipe",
 }
 
 
@@ -54,6 +55,10 @@ def build_recipe_model(config: RunConfig, *, num_outputs: int, in_channels: int,
     cfg = config.model
     if names is not None and cfg.name not in names:
         raise ValueError(f"model.name={cfg.name!r}: the {config.recipe} recipe builds {', '.join(names)}")
+    for key in ("layers", "heads", "positions"):
+        if getattr(cfg, key) is not None:
+            raise ValueError(f"model.{key} is set but {cfg.name} has no such option (the lm recipe's byte_gpt takes "
+                             "it): remove the key")
     extra = {k: v for k, v in (("width", cfg.width), ("blocks", cfg.blocks)) if v is not None}
     takes = model_options(cfg.name) if cfg.name in MODEL_NAMES else set(extra)
     unused = sorted(set(extra) - takes)
@@ -73,8 +78,19 @@ def optimizer_factory(cfg: OptimizerConfig) -> Callable[..., torch.optim.Optimiz
         return functools.partial(
             torch.optim.SGD, lr=cfg.lr, momentum=0.9 if cfg.momentum is None else cfg.momentum, weight_decay=cfg.weight_decay
         )
-    cls = torch.optim.AdamW if cfg.name == "adamw" else torch.optim.Adam
-    return functools.partial(cls, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if cfg.name == "adamw":
+        return functools.partial(_adamw_groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return functools.partial(torch.optim.Adam, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def _adamw_groups(params: Any, *, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+    """AdamW with weight decay on the matrices only: biases and norm weights (1-D) decay not, as
+    transformer and ResNet recipes do. ``params`` names them (the Trainer hands the model's)."""
+    named = list(params.named_parameters()) if hasattr(params, "named_parameters") else [(str(i), p) for i, p in enumerate(params)]
+    decay = [p for _, p in named if p.dim() >= 2]
+    keep = [p for _, p in named if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": keep, "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr)
 
 
 def scheduler_factory(cfg: ScheduleConfig, epochs: int) -> Callable[..., Any] | None:
@@ -84,7 +100,26 @@ def scheduler_factory(cfg: ScheduleConfig, epochs: int) -> Callable[..., Any] | 
         )
     if cfg.name == "cosine":
         return functools.partial(torch.optim.lr_scheduler.CosineAnnealingLR, T_max=epochs)
+    if cfg.name == "warmup_cosine":
+        return functools.partial(_warmup_cosine, warmup_steps=cfg.warmup_steps or 0,
+                                 min_lr_ratio=0.1 if cfg.min_lr_ratio is None else cfg.min_lr_ratio)
     return None
+
+
+def _warmup_cosine(optimizer: torch.optim.Optimizer, run: Any, *, warmup_steps: int, min_lr_ratio: float) -> Any:
+    """Linear warmup over ``warmup_steps`` optimizer steps, then a cosine down to ``min_lr_ratio``
+    of the rate at the run's last step (``run.total_steps``, known once the data is)."""
+    import math
+
+    total = max(run.total_steps, warmup_steps + 1)
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min((step - warmup_steps) / (total - warmup_steps), 1.0)
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def build_trainer(config: RunConfig) -> tuple[Trainer, RecipeParts]:

@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from xlatrain.backend import Backend, from_config, select_backend
 from xlatrain.backend.base import host_rng_state, set_host_rng_state
-from xlatrain.backend.model_state import checkpoint_bytes, has_meta_tensors
+from xlatrain.backend.model_state import checkpoint_bytes, has_meta_tensors, weight_bytes
 from xlatrain.backend.precision import Precision
 from xlatrain.checkpoint import (
     SHARDS_DIR,
@@ -57,6 +57,7 @@ from xlatrain.tensorboard import TensorBoardLog
 from xlatrain.train.batch import BatchLayout, collate, tree_map
 from xlatrain.train.losses import EvalLoss, loss_terms
 from xlatrain.train.metrics import EvalAccumulator, RowCollector, as_float, default_monitor, infer_task
+from xlatrain.train import perf
 from xlatrain.train.state import (
     Cursor,
     pack_meta,
@@ -72,6 +73,31 @@ log = get_logger(__name__)
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[..., Any]
+
+
+class ModelParameters:
+    """What ``optimizer_fn`` receives: the model's parameters, once on the device.
+
+    Iterating it gives the parameters, as ``torch.optim`` optimizers take them
+    (``functools.partial(torch.optim.SGD, lr=0.1)`` works as it always has). It also answers what
+    the model answers (``named_parameters()``, ``modules()``, ``named_children()``, ...), so a factory
+    can build parameter groups by name, e.g. no weight decay for biases and norms, or call a helper
+    written for the model (torchvision's ``set_weight_decay(model, ...)``) on it directly.
+    """
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.model = module
+
+    def __iter__(self) -> Iterator[torch.nn.Parameter]:
+        return iter(self.model.parameters())
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+
+class DoesNotFitError(ValueError):
+    """The run needs more memory per device than the device holds: refused before its first step,
+    with the changes that would fit."""
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -98,7 +124,9 @@ class Trainer:
         model: the ``torch.nn.Module`` to train; moved to the device here.
         loss_fn: ``loss_fn(outputs, targets)`` returning a scalar.
         optimizer_fn: builds the optimizer from the parameters *after* they are on the device,
-            e.g. ``functools.partial(torch.optim.Adam, lr=1e-3)``.
+            e.g. ``functools.partial(torch.optim.Adam, lr=1e-3)``; it receives a
+            :class:`ModelParameters`, which iterates as the parameters and names them as the model
+            does (for parameter groups by name).
         scheduler_fn: optional, builds an LR scheduler from the optimizer.
         config: a :class:`~xlatrain.config.TrainConfig`.
         checkpoint: a :class:`~xlatrain.config.CheckpointConfig` (default: at each epoch end).
@@ -119,6 +147,14 @@ class Trainer:
             ``model``, ``optimizer``, ``schedule``, ``data``, ``backend``), kept in checkpoints so
             that a resumed run whose model, optimizer, schedule or data differ stops with the
             keys named instead of silently mixing two runs.
+
+    Before the first step ``fit`` measures what a device needs (``trainer.memory_plan``: parameters,
+    gradients, optimizer state, activations for the batch) and refuses, with the changes that would
+    fit, a run that cannot fit the device (``BackendConfig(device_memory=...)`` plans for another
+    one); while it trains it reports samples/s, tokens/s and model FLOPs utilisation
+    (``trainer.throughput``). A model may say its own FLOPs and tokens per sample with a method
+    ``train_flops_per_sample()`` and an attribute ``tokens_per_sample``; otherwise torch's FLOP
+    counter measures one step. See :mod:`xlatrain.train.perf`.
 
     Example:
         >>> trainer = Trainer(model, nn.CrossEntropyLoss(), partial(torch.optim.Adam, lr=1e-3),
@@ -180,7 +216,7 @@ class Trainer:
         # Training and evaluation run through this; under torch.compile each mode (train with
         # gradients, eval without) gets its own graph.
         self._forward = rt.compile(self.model) if cfg.compile else self.model
-        self.optimizer = optimizer_fn(st.unwrap(self.model).parameters())
+        self.optimizer = optimizer_fn(ModelParameters(st.unwrap(self.model)))
         if not isinstance(self.optimizer, torch.optim.Optimizer):
             raise TypeError(
                 f"optimizer_fn returned a {type(self.optimizer).__name__}, not a torch.optim.Optimizer: it must build "
@@ -212,7 +248,11 @@ class Trainer:
         self._trace: StepTrace | None = None
         self._lock: run_lock.RunLock | None = None  # held by the main process while fit runs
         self._feed: _TrainFeed | None = None
+        self._clear_pending = False  # resume="overwrite" clears the earlier run once the checks pass
+        self._created_run_dir = False  # this fit made the run directory (removed again if it fails at once)
         self.epochs_trained = 0  # epochs the last fit call trained (0: it found nothing to train)
+        self.memory_plan: perf.MemoryPlan | None = None  # what a device needs: measured by fit before the first step
+        self.throughput: perf.Throughput | None = None  # model FLOPs and the device's peak: set by fit
 
     # ----------------------------------------------------------------------------------------
     @property
@@ -251,6 +291,9 @@ class Trainer:
         self._open_run_dir(resume)
         try:
             return self._fit(train_data, val_data, resume)
+        except BaseException:
+            self._remove_unused_run_dir()
+            raise
         finally:
             if self._lock is not None:
                 self._lock.release()
@@ -273,6 +316,8 @@ class Trainer:
             "run": {"global_batch": self.global_batch_size * cfg.grad_accum_steps, "num_train_samples": len(train_data)},
         }
         self._dry_run(train_data, val_data)
+        self._plan(train_data)
+        self._clear_earlier_run()
         if self._scheduler_wants_run and self.scheduler is None:
             per_epoch = feed.steps_per_epoch // cfg.grad_accum_steps
             shape = RunShape(total_steps=per_epoch * cfg.epochs, steps_per_epoch=per_epoch, epochs=cfg.epochs)
@@ -289,6 +334,9 @@ class Trainer:
             + f" | {feed.steps_per_epoch // cfg.grad_accum_steps} optimizer steps per epoch"
             + f" | precision {cfg.precision} | run dir {self.run_dir}"
         )
+        assert self.memory_plan is not None and self.throughput is not None
+        self._say(f"memory per device, before the first step: {self.memory_plan.summary()}")
+        self._say(self.throughput.summary())
         first_epoch, start_step = cursor.next_position()
         if self._patience_spent(cursor):
             self._say(
@@ -332,6 +380,8 @@ class Trainer:
                 sums, start_step = self._new_sums(), 0
                 self._finish_epoch(row, cursor, sums)
                 self.epochs_trained += 1
+                if self.epochs_trained == 1:
+                    self._report_peak()
                 if self._patience_spent(cursor):
                     self._say(
                         f"early stop: {self.monitor} has not improved for {cfg.early_stop_patience} epoch(s) "
@@ -339,6 +389,8 @@ class Trainer:
                     )
                     break
             if self._diag is not None:
+                self._diag.sections["memory"] = self.memory_plan.as_dict()
+                self._diag.sections["throughput"] = self.throughput.as_dict()
                 self._diag.finish(self.run_dir, st.is_main)
         st.barrier()
         return self.history
@@ -469,6 +521,88 @@ class Trainer:
         if train_data is not None:
             self._check_monitor(val_data)
 
+    def _plan(self, train_data: Any) -> None:
+        """Measure what one training step needs of a device and what it computes, before the first
+        step (:mod:`xlatrain.train.perf`); refuse a run that cannot fit, naming what would."""
+        cfg, rt, st = self.config, self.runtime, self.strategy
+        module = st.unwrap(self.model)  # DDP's inner module: no gradient reduction is set up
+        samples = min(len(train_data), perf.PROFILE_SAMPLES)
+        flops, flops_source, tokens = perf.model_flops(module)
+
+        def loss_of(precision: Precision) -> Callable[[int], torch.Tensor]:
+            def run(n: int) -> torch.Tensor:
+                host = _first_batch(train_data, rows=n)
+                args, targets = self.layout.split(tree_map(lambda t: t.to(rt.device) if isinstance(t, torch.Tensor) else t, host))
+                with precision.autocast():
+                    return loss_terms(self.loss_fn(module(*args), targets))[0]
+            return run
+
+        # Random draws of the measured step (dropout, augmentations; host and device) are undone.
+        rng = rt.rng_state()
+        try:
+            profile = perf.profile_step(module, st.unit_modules, rt.device.type, loss_of(self.precision), samples,
+                                        count=flops is None)
+        except Exception as exc:  # the user's model or loss failed with gradients on: say where
+            if hasattr(exc, "add_note"):
+                exc.add_note(
+                    f"xlatrain: raised while measuring one training step before training (forward pass with "
+                    f"gradients{'' if flops else ' and backward pass'} on {samples} sample(s), model "
+                    f"{type(module).__name__}, loss_fn {self.loss_fn!r})"
+                )
+            raise
+        finally:
+            rt.set_rng_state(rng)
+        if flops is None:
+            flops = profile.flops_per_sample
+            flops_source = "torch's FLOP counter, one forward and backward pass" if flops else \
+                "torch's FLOP counter found no matmul or convolution in the step"
+        peak = rt.peak_flops(torch.bfloat16 if cfg.precision == "bf16" else torch.float32)
+        self.throughput = perf.Throughput(
+            flops_per_sample=flops, flops_source=flops_source, tokens_per_sample=tokens,
+            peak_per_device=peak[0] if peak else None, peak_source=peak[1] if peak else "not in xlatrain's table",
+            devices=st.world_size, dtype="bfloat16" if cfg.precision == "bf16" else "float32",
+        )
+        state = st.planned_state_bytes(self.model, self.optimizer)
+        capacity = self.backend.device_memory or rt.memory_capacity()
+        self.memory_plan = plan = perf.MemoryPlan(
+            parameters=state["parameters"], gradients=state["gradients"], optimizer=state["optimizer"],
+            optimizer_source=state["optimizer_source"], activations=profile.activations, batch=cfg.batch_size,
+            checkpointed=st.activation_checkpointing, gathered=st.gathered_bytes(self.model, self.precision),
+            capacity=capacity[0] if capacity else None,
+            capacity_source=capacity[1] if capacity else "the runtime reports no capacity",
+        )
+        if not st.any_process(plan.fits is False):
+            if plan.capacity is not None and plan.total > perf.HEADROOM * plan.capacity:
+                self._say(
+                    f"memory: the estimate before the first step is {100 * plan.total / plan.capacity:.0f}% of what a "
+                    f"device holds ({plan.summary()}); the step's peak is higher, so it may not fit"
+                )
+            return
+        bf16 = None
+        if cfg.precision != "bf16":
+            bf16 = perf.profile_step(module, st.unit_modules, rt.device.type, loss_of(Precision("bf16", rt.autocast_device)),
+                                     samples, count=False).activations
+        units = st.unit_modules
+        whole = weight_bytes(module)
+        plan.fixes = perf.plan_fixes(
+            plan, whole_state=int((plan.parameters + plan.gradients + plan.optimizer) * whole / max(plan.parameters, 1)),
+            world_size=st.world_size, sharded=st.sharded_state, precision=cfg.precision, bf16_activations=bf16,
+            unit_bytes=max((weight_bytes(u) for u in units), default=0),
+            root_bytes=whole - sum(weight_bytes(u) for u in units), grad_accum_steps=cfg.grad_accum_steps,
+        )
+        raise DoesNotFitError(plan.refusal())
+
+    def _report_peak(self) -> None:
+        """After the first epoch: the most memory a device held, beside the estimate."""
+        peak = self.runtime.memory_peak()
+        if peak is None or self.memory_plan is None:
+            return
+        self.memory_plan.measured_peak = peak
+        self._say(
+            f"memory per device: measured peak {perf.human_bytes(peak[0])} ({peak[1]}) beside the estimate "
+            f"{perf.human_bytes(self.memory_plan.total)} before the first step"
+        )
+
     def _check_monitor(self, val_data: Any | None) -> None:
         """``monitor`` must name a column this run's history will have: known after the dry run
         (the loss's terms, the task's metrics), checked before the first step."""
@@ -508,7 +642,9 @@ class Trainer:
         progress = EpochProgress(
             cursor.epoch, num_steps, cursor.step, samples_per_step=self.global_batch_size,
             interactive=self._interactive, log=self._say, start_loss_sum=self._start_loss_sum,
+            rate_note=self.throughput.text if self.throughput is not None else None,
         )
+        started, first_step = time.perf_counter(), cursor.step
         self._start_loss_sum = None  # later epochs start from zero
         trace, before = self._trace, (cursor.epoch - 1) * num_steps  # the trace counts over the run
         last_logged, fetch_started = cursor.step, time.perf_counter()
@@ -542,7 +678,11 @@ class Trainer:
         *totals, bad = rt.read([*(st.all_reduce_mean(sums[k]) for k in names), sums["nonfinite"]])
         self._check_nonfinite(float(bad), cursor.epoch, 1, num_steps)
         good_steps = max(num_steps - float(bad) if cfg.nan_policy == "skip_step" else num_steps, 1)
-        return {"train_" + name.removeprefix("term."): float(total) / good_steps for name, total in zip(names, totals)}
+        row = {"train_" + name.removeprefix("term."): float(total) / good_steps for name, total in zip(names, totals)}
+        # Over the epoch's training (its first step's compilation included; validation not).
+        rate = (num_steps - first_step) * self.global_batch_size / max(time.perf_counter() - started, 1e-9)
+        figures = self.throughput.figures(rate) if self.throughput is not None else {}
+        return {**row, "samples_per_s": round(rate, 2), **{k: float(f"{v:.4g}") for k, v in figures.items()}}
 
     def _train_step(self, batch: Any, cursor: Cursor, step: int, last_micro: bool, sums: dict[str, torch.Tensor]) -> None:
         """One micro-batch: forward, loss, backward, and on the last micro-batch the optimizer step.
@@ -612,16 +752,16 @@ class Trainer:
         else:
             self._run_dir = base
         error, note = None, None
+        # Cleared once the dry run and the memory check passed: a run refused before its first
+        # step leaves the earlier one as it was.
+        self._clear_pending = resume == "overwrite"
+        self._created_run_dir = False
         if st.is_main:
             try:
+                self._created_run_dir = not self._run_dir.exists()
                 _make_run_dir(self._run_dir)
                 self._lock = run_lock.acquire(self._run_dir)
                 note = run_lock.stale_note(self._lock)
-                if resume == "overwrite":
-                    removed = _clear_run(self._run_dir)
-                    if removed:
-                        note = (note + "; " if note else "") + (
-                            f"resume='overwrite': removed the earlier run's {', '.join(removed)} from {self._run_dir}")
             except run_lock.RunDirError as exc:
                 error = str(exc)
         # Every process learns the main process's verdict: a refused run stops everywhere, at once.
@@ -630,6 +770,27 @@ class Trainer:
             raise run_lock.RunDirError(error)
         if note:
             self._say(note)
+
+    def _clear_earlier_run(self) -> None:
+        """``resume="overwrite"``: remove the earlier run's files, now that this one can start."""
+        if not self._clear_pending:
+            return
+        self._clear_pending = False
+        if self.strategy.is_main:
+            removed = _clear_run(self._run_dir)
+            if removed:
+                self._say(f"resume='overwrite': removed the earlier run's {', '.join(removed)} from {self._run_dir}")
+        self.strategy.barrier()
+
+    def _remove_unused_run_dir(self) -> None:
+        """A run directory this fit created and that holds nothing but its lock goes again when the
+        fit fails before writing anything (a refused run leaves no trace)."""
+        if not (self.strategy.is_main and self._created_run_dir and self._lock is not None):
+            return
+        with contextlib.suppress(OSError):
+            if [p.name for p in self._run_dir.iterdir()] == [run_lock.LOCK_FILE]:
+                (self._run_dir / run_lock.LOCK_FILE).unlink()
+                self._run_dir.rmdir()
 
     def _resume(self, resume: bool | str) -> tuple[Cursor, dict[str, torch.Tensor]]:
         rt, st = self.runtime, self.strategy
@@ -873,7 +1034,8 @@ class Trainer:
                 self._nonfinite = (epoch, first, step, int(bad))
             stats = progress.report(step, loss_sum=float(mean_loss_sum), nonfinite=bad)
             if self._tb is not None:
-                self._tb.interval(tb_step, loss=stats.interval_loss, lr=lr, samples_per_s=stats.samples_per_s)
+                figures = self.throughput.figures(stats.samples_per_s) if self.throughput is not None else {}
+                self._tb.interval(tb_step, loss=stats.interval_loss, lr=lr, samples_per_s=stats.samples_per_s, **figures)
 
         return show
 
@@ -1096,7 +1258,10 @@ def _check_task(task: str, outputs: Any, targets: Any) -> None:
 def _epoch_line(row: dict[str, Any], epochs: int, monitor: str, improved: bool) -> str:
     shown = [f"{k} {v:.4f}" for k, v in row.items() if k.startswith(("train_", "val_")) and "auc_" not in k]
     star = f"  (best {monitor})" if improved else ""
-    return f"epoch {row['epoch']}/{epochs}  " + "  ".join(shown) + f"  {row['epoch_time_s']:.1f}s" + star
+    rate = "".join(f"  {row[k]:,.0f} {unit}" for k, unit in (("samples_per_s", "samples/s"), ("tokens_per_s", "tokens/s"))
+                   if k in row)
+    rate += f"  MFU {100 * row['mfu']:.1f}%" if "mfu" in row else ""
+    return f"epoch {row['epoch']}/{epochs}  " + "  ".join(shown) + f"  {row['epoch_time_s']:.1f}s" + rate + star
 
 
 # What xlatrain writes into a run directory: what resume="overwrite" removes (nothing else is).

@@ -1,0 +1,217 @@
+"""What fits and how fast (xlatrain.train.perf), for real: the memory plan before the first step
+against the tensors that exist after it, the refusal of a run that cannot fit, FLOP counts against
+hand-computed ones, and throughput and MFU where a run reports them. (Under DDP and FSDP in two
+processes and under SPMD on XLA: tests/train/test_fsdp.py, from the same script's MEMORY line.)"""
+
+import functools
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import xlatrain
+from xlatrain.recipes.lm.model import ByteGPT
+from xlatrain.recipes.lm.recipe import byte_loss
+from xlatrain.train import perf
+
+
+def _regression(n, dim=8, out=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, dim, generator=g)
+    return TensorDataset(x, x[:, :out] * 2 + 1)
+
+
+def _mse(model, data, n):
+    x, y = data[:n]  # a batch of its own, as the Trainer's collate makes it (a view keeps all of its base)
+    return nn.functional.mse_loss(model(x.clone()), y.clone())
+
+
+def test_activations_and_flops_are_what_autograd_keeps_and_computes_for_each_sample():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    data = _regression(4)
+    before = [p.detach().clone() for p in model.parameters()]
+    profile = perf.profile_step(model, [], "cpu", functools.partial(_mse, model, data), samples=4, count=True)
+    # Per sample, in float32: the input (8 values) for the first layer's weight gradient, ReLU's
+    # output (16; the second layer's input is the same tensor), the outputs and the targets that
+    # the loss keeps (4 + 4). Weights are parameters, not activations.
+    assert profile.activations.total == perf.Sized(256, 512, 2, 4)
+    assert profile.activations.at(32) == 32 * 128
+    # Forward: 2 x (8x16 + 16x4) per sample. Backward: the first layer's weight gradient only (its
+    # input needs none), the second layer's input and weight gradients.
+    assert profile.flops_per_sample == 2 * (8 * 16 + 16 * 4) + 2 * 8 * 16 + 2 * (2 * 16 * 4)
+    # Nothing of the measurement stays: no gradient, the mode and the weights as they were.
+    assert all(p.grad is None for p in model.parameters()) and model.training
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_the_measured_step_runs_as_training_runs_and_leaves_statistics_and_random_state_alone():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Dropout(0.5), nn.Linear(16, 4)).eval()
+    stats = [b.clone() for b in model.buffers()]
+    rng = torch.get_rng_state()
+    acts = perf.profile_step(model, [], "cpu", functools.partial(_mse, model, _regression(4)),
+                             samples=4, count=False).activations
+    # Per sample, in float32: the input (8 values), batch norm's input (16), dropout's scaled mask
+    # (16) and output (16, the last layer's input), the loss's output and target (4 + 4); per
+    # batch: batch norm's saved mean and inverse deviation (2 x 16). Its running statistics, which
+    # its backward reads too, are buffers: the model's own memory.
+    per_sample, per_batch = 4 * (8 + 16 + 16 + 16 + 4 + 4), 4 * 2 * 16
+    assert acts.total == perf.Sized(2 * per_sample + per_batch, 4 * per_sample + per_batch, 2, 4)
+    assert acts.at(100) == 100 * per_sample + per_batch
+    assert not model.training and all(torch.equal(a, b) for a, b in zip(stats, model.buffers()))
+    assert torch.equal(rng, torch.get_rng_state()) is False  # dropout drew: the Trainer puts it back
+    # Batch norm in training mode needs two samples per channel: a batch of one is measured whole.
+    one = perf.profile_step(nn.Linear(8, 4), [], "cpu", functools.partial(_mse, nn.Linear(8, 4), _regression(1)),
+                            samples=1, count=False).activations
+    assert one.total.small == one.total.large == 1
+
+
+def test_checkpointed_units_keep_their_inputs_and_one_unit_at_a_time():
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(8, 32), nn.Linear(32, 8)
+
+        def forward(self, x):
+            return x + self.down(torch.relu(self.up(x)))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), Block(), Block(), Block())
+    units = list(model)[1:]
+    acts = perf.profile_step(model, units, "cpu", functools.partial(_mse, model, _regression(4, out=8)),
+                             samples=4, count=False).activations
+    # Per sample, in float32: outside the blocks, the first layer's input (8 values) and the loss's
+    # output and target (8 + 8); inside each block, its input for the up layer's weight gradient
+    # (8) and ReLU's output (32), which the down layer reads too.
+    assert acts.outside == perf.Sized(8 * 24, 16 * 24, 2, 4)
+    assert acts.largest_unit == perf.Sized(8 * 40, 16 * 40, 2, 4)
+    assert acts.unit_inputs == perf.Sized(8 * 8 * 3, 16 * 8 * 3, 2, 4)
+    assert acts.total.at(10) == 10 * 4 * (24 + 3 * 40)
+    assert acts.at(10, checkpointed=True) == 10 * 4 * (24 + 3 * 8 + 40)
+
+
+def test_the_lm_flop_formula_for_a_known_config_and_torch_s_counter():
+    model = ByteGPT(context=16, width=32, layers=2, heads=4)
+    # Matmul weights: the 256x32 token embedding (tied: the output layer) and per block qkv 3x32x32,
+    # proj 32x32, MLP 2 x 4x32x32 = 8192 + 2 x 12288 = 32768. 6 per weight per token over 16 tokens,
+    # and attention 12 x 2 layers x 32 x 16 x 16.
+    assert model.train_flops_per_sample() == 6 * 32768 * 16 + 12 * 2 * 32 * 16 * 16 == 3_342_336
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    counted = perf.count_flops(lambda: byte_loss(model(tokens), tokens)["loss"].backward())
+    # The counter also counts the scores that attention's backward pass recomputes (one more
+    # query-key product per layer): model FLOPs leave recomputation out.
+    assert counted / 2 == model.train_flops_per_sample() + 2 * 2 * 32 * 16 * 16
+
+
+class _Tied(nn.Module):
+    """An embedding tied to the output layer, a frozen layer and two repeated blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.frozen = nn.Linear(16, 16)
+        self.frozen.requires_grad_(False)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 16)) for _ in range(2))
+        self.head = nn.Linear(16, 32, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens):
+        h = self.frozen(self.embed(tokens))
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h).mean(dim=1)
+
+
+def _tokens(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 32, (n, 6), generator=g)
+    return TensorDataset(tokens, tokens[:, 0])
+
+
+def test_in_one_process_the_plan_equals_the_real_state_and_throughput_is_reported(tmp_path, caplog):
+    torch.manual_seed(0)
+    trainer = xlatrain.Trainer(
+        _Tied(), nn.CrossEntropyLoss(), functools.partial(torch.optim.AdamW, lr=1e-3),
+        config=xlatrain.TrainConfig(epochs=1, batch_size=8, run_dir=str(tmp_path / "run"), log_every=2),
+        backend="cpu",
+    )
+    with caplog.at_level("INFO", logger="xlatrain"):
+        history = trainer.fit(_tokens(32), _tokens(8, 1))
+    plan = trainer.memory_plan.as_dict()
+    assert plan["optimizer_source"] == "one step of AdamW on meta tensors"
+    tokens, targets = _tokens(4, 2)[:]
+    nn.CrossEntropyLoss()(trainer.model(tokens), targets).backward()
+    real = trainer.strategy.state_bytes(trainer.model, trainer.optimizer)
+    # The tied weight counts once; the frozen layer has no gradient and no optimizer state; AdamW
+    # keeps two tensors per parameter and a float32 step count each.
+    assert {k: plan[k] for k in real} == real
+    trained = [p for p in trainer.model.parameters() if p.requires_grad]
+    assert real["optimizer"] == 2 * real["gradients"] + 4 * len(trained)
+    assert real["parameters"] - real["gradients"] == (16 * 16 + 16) * 4
+    text = caplog.text
+    assert "memory per device, before the first step: parameters" in text and "of " in text
+    assert "model FLOPs: " in text and "per sample (torch's FLOP counter, one forward and backward pass)" in text
+    assert "samples/s, MFU " in text  # each progress line
+    assert history[0]["samples_per_s"] > 0 and 0 < history[0]["mfu"] < 1
+    diag = json.loads((tmp_path / "run" / "diagnostics.json").read_text())
+    assert diag["memory"]["estimate"] == trainer.memory_plan.total and diag["memory"]["measured_peak"] > 0
+    assert diag["throughput"]["flops_per_sample"] > 0 and diag["throughput"]["peak_per_device"] > 0
+
+
+def test_a_model_that_cannot_fit_a_stated_device_is_refused_before_its_first_step(tmp_path):
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(256, 256)
+
+        def forward(self, x):
+            return nn.functional.gelu(self.linear(x))
+
+    def trainer(run, batch, accum=1):
+        torch.manual_seed(0)
+        model = nn.Sequential(*(Layer() for _ in range(4)), nn.Linear(256, 4))
+        return model, xlatrain.Trainer(
+            model, nn.MSELoss(), functools.partial(torch.optim.Adam, lr=1e-3),
+            config=xlatrain.TrainConfig(epochs=1, batch_size=batch, grad_accum_steps=accum, run_dir=str(tmp_path / run)),
+            backend=xlatrain.BackendConfig(accelerator="cpu", device_memory="5MB"),
+        )
+
+    data = _regression(512, dim=256)
+    # Parameters 1.06 MB, gradients as much, Adam's state twice that: 4.2 MB before any activation.
+    model, big = trainer("big", 256)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(xlatrain.DoesNotFitError) as refused:
+        big.fit(data)
+    message = str(refused.value)
+    assert "cannot fit one device" in message and "more than the 5.0 MB the device holds (5MB as stated)" in message
+    assert "parameters 1.1 MB + gradients 1.1 MB + optimizer state 2.1 MB + activations" in message
+    for fix in ("precision='bf16'", "activation_checkpointing=True", "batch_size=", "strategy='fsdp'"):
+        assert fix in message
+    fits = [line for line in message.splitlines() if line.startswith("  - ")]
+    assert any("batch_size=" in line for line in fits)
+    # What fits leaves room for the runtime's temporaries: at most 90% of the device.
+    assert all(float(line.rsplit(": ", 1)[1].split()[0]) <= 4.5 for line in fits)
+    assert "with precision='bf16' and activation_checkpointing=True" in message  # the changes together
+    # Refused before work: no step taken, nothing written, not even the run directory.
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert not (tmp_path / "big").exists()
+    # The batch it names fits that device, with the same global batch: that run trains.
+    named = next(line for line in fits if "batch_size=" in line)
+    batch, accum = int(named.split("batch_size=")[1].split()[0]), int(named.split("grad_accum_steps=")[1].split()[0])
+    assert batch * accum == 256
+    _, smaller = trainer("smaller", batch, accum)
+    history = smaller.fit(data)
+    assert math.isfinite(history[0]["train_loss"]) and smaller.memory_plan.total <= 5e6
+
+
+def test_a_device_from_the_table_names_its_memory():
+    from xlatrain.backend.hardware import DEVICE_SPECS, parse_memory
+
+    assert parse_memory("v5e") == (16 * 2**30, f"tpu-v5e ({DEVICE_SPECS['tpu-v5e'].source})")
+    assert parse_memory("16GiB")[0] == parse_memory("tpu-v5e")[0] and parse_memory("24GB")[0] == 24 * 10**9
+    with pytest.raises(ValueError, match=r"device_memory='16 bytes please' is not valid: .*'16GB'.*tpu-v5e"):
+        xlatrain.BackendConfig(device_memory="16 bytes please")
