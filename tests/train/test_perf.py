@@ -4,8 +4,10 @@ hand-computed ones, and throughput and MFU where a run reports them. (Under DDP 
 processes and under SPMD on XLA: tests/train/test_fsdp.py, from the same script's MEMORY line.)"""
 
 import functools
+import gc
 import json
 import math
+import warnings
 
 import pytest
 import torch
@@ -22,6 +24,13 @@ def _regression(n, dim=8, out=4, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, dim, generator=g)
     return TensorDataset(x, x[:, :out] * 2 + 1)
+
+
+def _live_tensors():
+    gc.collect()
+    with warnings.catch_warnings():  # the scan meets deprecated objects of torch.distributed
+        warnings.simplefilter("ignore")
+        return sum(isinstance(o, torch.Tensor) for o in gc.get_objects())
 
 
 def _mse(model, data, n):
@@ -43,8 +52,12 @@ def test_activations_and_flops_are_what_autograd_keeps_and_computes_for_each_sam
     # Forward: 2 x (8x16 + 16x4) per sample. Backward: the first layer's weight gradient only (its
     # input needs none), the second layer's input and weight gradients.
     assert profile.flops_per_sample == 2 * (8 * 16 + 16 * 4) + 2 * 8 * 16 + 2 * (2 * 16 * 4)
-    # Nothing of the measurement stays: no gradient, the mode and the weights as they were.
+    # Nothing of the measurement stays: no gradient, the mode and the weights as they were, and
+    # no tensor of its graph (a saved tensor that references its own graph would leak each time).
     assert all(p.grad is None for p in model.parameters()) and model.training
+    alive = _live_tensors()
+    perf.profile_step(model, [], "cpu", functools.partial(_mse, model, data), samples=4, count=False)
+    assert _live_tensors() == alive
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 

@@ -153,7 +153,10 @@ class _SavedTensors:
             handles.append(unit.register_forward_pre_hook(enter(index), with_kwargs=True))
             handles.append(unit.register_forward_hook(leave, with_kwargs=True))
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+            # What pack returns is kept by the graph: the tensor itself would be a reference cycle
+            # through the graph (an op saving its own output) that no collector sees, so every
+            # measurement would leak its activations. A detached view of the same memory is not.
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(t).detach(), lambda t: t):
                 yield self
         finally:
             for handle in handles:
