@@ -37,7 +37,7 @@ class EagerStrategy:
         self.activation_checkpointing = activation_checkpointing
         self.world_size = self.num_processes = processes.world_size
         self.process_index = processes.rank
-        self.units: list[str] = []  # class names of the units found by prepare_model
+        self.units: list[str] = []  # class names of the units found by prepare_model (before fully_shard renames them)
         self.unit_modules: list[torch.nn.Module] = []
 
     @property
@@ -54,17 +54,17 @@ class EagerStrategy:
         return f", activation checkpointing of {len(self.units)} unit(s) ({kinds})"
 
     def _units(self, model: torch.nn.Module) -> list[torch.nn.Module]:
-        units = [m for _, m in find_units(model, self._units_policy)]
-        self.units = [type(m).__name__ for m in units]
-        self.unit_modules = units
-        return units
+        """The model's units, checkpointed if asked."""
+        self.unit_modules = [m for _, m in find_units(model, self._units_policy)]
+        self.units = [type(m).__name__ for m in self.unit_modules]
+        if self.activation_checkpointing:
+            apply_activation_checkpointing(self.unit_modules)
+        return self.unit_modules
 
     def prepare_model(
         self, model: torch.nn.Module, precision: Precision, init_weights: Callable[[torch.nn.Module], None] | None = None
     ) -> torch.nn.Module:
-        units = self._units(model)
-        if self.activation_checkpointing:
-            apply_activation_checkpointing(units)
+        self._units(model)
         if model_state.has_meta_tensors(model):
             model_state.materialize(model, self._device, init_weights)
         return model.to(self._device)

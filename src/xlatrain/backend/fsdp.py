@@ -27,7 +27,7 @@ from xlatrain.backend import model_state
 from xlatrain.backend.eager import EagerStrategy
 from xlatrain.backend.precision import Precision
 from xlatrain.backend.processes import Processes
-from xlatrain.backend.units import UnitPolicy, apply_activation_checkpointing
+from xlatrain.backend.units import UnitPolicy
 
 
 class FSDP(EagerStrategy):
@@ -55,8 +55,6 @@ class FSDP(EagerStrategy):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         units = self._units(model)
-        if self.activation_checkpointing:
-            apply_activation_checkpointing(units)
         policy = MixedPrecisionPolicy(param_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype)
         on_meta = model_state.has_meta_tensors(model)
         if not on_meta:
