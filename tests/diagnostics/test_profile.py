@@ -100,8 +100,8 @@ def test_the_summary_gives_the_share_of_traced_time_spent_waiting_for_input(tmp_
 
 
 def test_time_between_steps_is_told_apart_from_steps_and_input_wait(tmp_path):
-    _, _, summary = _train(tmp_path / "run", (2, 5), between_s=0.05)
-    assert summary["between_steps_s"] >= 3 * 0.05  # three gaps inside steps 2-5
+    _, _, summary = _train(tmp_path / "run", (2, 5), between_s=0.2)
+    assert summary["between_steps_s"] >= 3 * 0.2  # three gaps inside steps 2-5
     assert summary["input_wait_share"] < 0.1
     assert any("passed between steps" in note for note in summary["notes"])
     _, _, plain = _train(tmp_path / "plain", (2, 5))
