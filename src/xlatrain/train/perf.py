@@ -436,7 +436,12 @@ class Throughput:
         f = self.figures(samples_per_s)
         parts = [f"{f['tokens_per_s']:,.0f} tokens/s"] if "tokens_per_s" in f else []
         if "mfu" in f:
-            parts.append(f"MFU {100 * f['mfu']:.1f}%")
+            over = ""
+            if f["mfu"] > 1:  # no step outruns a true peak: the yardstick or the count is off
+                over = (" (above 100%: the measured matmul is below what this model reaches here, so it is not this "
+                        "device's peak)" if self.peak_source.startswith("measured") else
+                        " (above 100%: the model's FLOPs per sample or the device's peak figure are off)")
+            parts.append(f"MFU {100 * f['mfu']:.1f}%{over}")
         return ", ".join(parts)
 
     def summary(self) -> str:
