@@ -44,7 +44,7 @@ from xlatrain.checkpoint import (
     write_weights,
 )
 from xlatrain.config import BackendConfig, CheckpointConfig, TrainConfig, monitor_mode_for
-from xlatrain.data.sampling import EvalSampler, PaddedDataset, TrainSampler
+from xlatrain.data.sampling import EvalSampler, PaddedDataset, TrainSampler, UserSampler
 from xlatrain.data.source import BatchSource, train_steps_per_epoch
 from xlatrain.diagnostics.compile import CompileWatch
 from xlatrain.diagnostics.profile import StepTrace
@@ -55,6 +55,7 @@ from xlatrain.progress import EpochProgress, interactive_terminal
 from xlatrain.report import write_history
 from xlatrain.tensorboard import TensorBoardLog
 from xlatrain.train.batch import BatchLayout, collate, tree_map
+from xlatrain.train.callbacks import Callbacks
 from xlatrain.train.losses import EvalLoss, loss_terms
 from xlatrain.train.metrics import EvalAccumulator, RowCollector, as_float, default_monitor, infer_task
 from xlatrain.train import perf
@@ -143,6 +144,15 @@ class Trainer:
         metrics_fn: ``metrics_fn(outputs, targets) -> {name: value}`` on the host, over the whole
             evaluation set in dataset order (outputs/targets as the model and dataset give them,
             stacked); its keys join the history as ``val_<name>``.
+        collate_fn: makes one training batch from a list of dataset items (mixup/cutmix soft
+            targets, say); the dry run and the memory plan use it too. Evaluation stacks items as
+            they are. Default: stack each field.
+        sampler: the training order, as a sampler over dataset indices shared by every process
+            (split over them as the Trainer's own order), or a factory ``sampler(dataset,
+            num_replicas=N, rank=r)`` building each process's own (``DistributedSampler``,
+            repeated augmentation). See :class:`~xlatrain.data.sampling.UserSampler`.
+        callbacks: objects with any of ``on_fit_start``, ``on_interval``, ``on_epoch_end``,
+            ``on_checkpoint``, ``on_fit_end``; see :mod:`xlatrain.train.callbacks`.
         run_config: the resolved config of a config-driven run (``xlatrain fit``: sections
             ``model``, ``optimizer``, ``schedule``, ``data``, ``backend``), kept in checkpoints so
             that a resumed run whose model, optimizer, schedule or data differ stops with the
@@ -181,9 +191,26 @@ class Trainer:
         init_weights: Callable[[torch.nn.Module], None] | None = None,
         inputs: str | Sequence[str] | None = None,
         targets: str | Sequence[str] | None = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        sampler: Any = None,
+        callbacks: Sequence[Any] | None = None,
     ) -> None:
         ensure_console()  # messages from here on (scale_lr, resume) reach a console
         _check_arguments(model, loss_fn, optimizer_fn, scheduler_fn, config, checkpoint, metrics_fn)
+        if collate_fn is not None and not callable(collate_fn):
+            raise TypeError(
+                f"collate_fn={collate_fn!r} is not callable: give a function that makes one batch from a list of "
+                "dataset items, e.g. lambda items: mixup(*default_collate(items))"
+            )
+        if sampler is not None and not (callable(sampler) or hasattr(sampler, "__iter__")):
+            raise TypeError(
+                f"sampler={sampler!r} is neither a sampler (iterable over dataset indices) nor a factory "
+                "sampler(dataset, num_replicas=..., rank=...) building one"
+            )
+        self._collate = collate_fn or collate
+        self._sampler = sampler
+        self._callbacks = Callbacks(callbacks)
+        self._stop_reason: str | None = None
         self.config = cfg = config or TrainConfig()
         self.checkpoint = checkpoint or CheckpointConfig()
         self.layout = BatchLayout(inputs, targets)
@@ -256,6 +283,15 @@ class Trainer:
 
     # ----------------------------------------------------------------------------------------
     @property
+    def is_main(self) -> bool:
+        """True on the one process that writes the run's files and prints (every process on its own)."""
+        return self.strategy.is_main
+
+    def request_stop(self, reason: str = "a callback asked to stop") -> None:
+        """End the run after the current epoch (validated, written and checkpointed), on every process."""
+        self._stop_reason = reason
+
+    @property
     def global_batch_size(self) -> int:
         return self.config.batch_size * self.strategy.world_size
 
@@ -302,7 +338,14 @@ class Trainer:
     def _fit(self, train_data: Any, val_data: Any | None, resume: bool | str) -> list[dict[str, Any]]:
         cfg, rt, st = self.config, self.runtime, self.strategy
         self.epochs_trained = 0
+        self._stop_reason = None
         _check_dataset("train_data", train_data)
+        if isinstance(train_data, BatchSource) and (self._sampler is not None or self._collate is not collate):
+            raise ValueError(
+                f"sampler= and collate_fn= choose and stack a dataset's items, but train_data is a "
+                f"{type(train_data).__name__}, which reads and batches its own records: pass a map-style dataset "
+                "(one with __getitem__ and __len__), or leave sampler= and collate_fn= out"
+            )
         if val_data is not None:
             _check_dataset("val_data", val_data)
         rt.seed_everything(cfg.seed)
@@ -337,6 +380,7 @@ class Trainer:
         assert self.memory_plan is not None and self.throughput is not None
         self._say(f"memory per device, before the first step: {self.memory_plan.summary()}")
         self._say(self.throughput.summary())
+        self._note_sampler_length(feed)
         first_epoch, start_step = cursor.next_position()
         if self._patience_spent(cursor):
             self._say(
@@ -368,6 +412,7 @@ class Trainer:
                 compile_watch=watch,
             ) if cfg.diagnostics else None
             stop = run.enter_context(_StopSignals(self._say))
+            self._callbacks.call("on_fit_start", self)
             for epoch in range(first_epoch, cfg.epochs + 1):
                 started = time.perf_counter()
                 cursor.epoch, cursor.step, cursor.epoch_done = epoch, start_step, False
@@ -382,17 +427,24 @@ class Trainer:
                 self.epochs_trained += 1
                 if self.epochs_trained == 1:
                     self._report_peak()
+                self._callbacks.call("on_epoch_end", self, row)
                 if self._patience_spent(cursor):
                     self._say(
                         f"early stop: {self.monitor} has not improved for {cfg.early_stop_patience} epoch(s) "
                         f"(best {cursor.best:.4f} in epoch {cursor.best_epoch})"
                     )
                     break
+                # One host collective per epoch, and only where a callback could have asked.
+                if self._callbacks and epoch < cfg.epochs and st.any_process(self._stop_reason is not None):
+                    why = st.gather_objects(self._stop_reason) if st.num_processes > 1 else [self._stop_reason]
+                    self._say(f"stopped after epoch {epoch}: {next(r for r in why if r is not None)} (request_stop)")
+                    break
             if self._diag is not None:
                 self._diag.sections["memory"] = self.memory_plan.as_dict()
                 self._diag.sections["throughput"] = self.throughput.as_dict()
                 self._diag.finish(self.run_dir, st.is_main)
         st.barrier()
+        self._callbacks.call("on_fit_end", self, self.history)
         return self.history
 
     def _finish_epoch(self, row: dict[str, Any], cursor: Cursor, sums: dict[str, torch.Tensor]) -> None:
@@ -488,7 +540,7 @@ class Trainer:
                     if data is None:
                         continue
                     device = self.runtime.device
-                    host_batch = _first_batch(data)
+                    host_batch = _first_batch(data, collate_fn=self._collate if role == "training" else collate)
                     batch = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, host_batch)
                     args, targets = self.layout.split(batch)
                     _check_class_targets(self.loss_fn, self.layout.split(host_batch)[1])
@@ -531,7 +583,7 @@ class Trainer:
 
         def loss_of(precision: Precision) -> Callable[[int], torch.Tensor]:
             def run(n: int) -> torch.Tensor:
-                host = _first_batch(train_data, rows=n)
+                host = _first_batch(train_data, rows=n, collate_fn=self._collate)
                 args, targets = self.layout.split(tree_map(lambda t: t.to(rt.device) if isinstance(t, torch.Tensor) else t, host))
                 with precision.autocast():
                     return loss_terms(self.loss_fn(module(*args), targets))[0]
@@ -647,9 +699,12 @@ class Trainer:
         started, first_step = time.perf_counter(), cursor.step
         self._start_loss_sum = None  # later epochs start from zero
         trace, before = self._trace, (cursor.epoch - 1) * num_steps  # the trace counts over the run
-        last_logged, fetch_started = cursor.step, time.perf_counter()
+        last_logged, fetch_started, extra = cursor.step, time.perf_counter(), False
         with progress:  # the bar goes however the epoch ends (preemption, NaN, error)
             for step, batch in enumerate(batches, start=cursor.step + 1):
+                if step > num_steps:
+                    extra = True  # a source that gives more batches than it announced: the schedule ends at that count
+                    break
                 input_wait_s = time.perf_counter() - fetch_started
                 if trace is not None:
                     trace.before_step(before + step)
@@ -674,15 +729,51 @@ class Trainer:
                 if last_micro and every is not None and cursor.global_step % every == 0 and step < num_steps:
                     self._save_checkpoint(cursor, sums)
                 fetch_started = time.perf_counter()
+        ran = self._count_steps(feed, cursor, num_steps, cursor.step, extra)
         names = [k for k in sums if k != "nonfinite"]
         *totals, bad = rt.read([*(st.all_reduce_mean(sums[k]) for k in names), sums["nonfinite"]])
-        self._check_nonfinite(float(bad), cursor.epoch, 1, num_steps)
-        good_steps = max(num_steps - float(bad) if cfg.nan_policy == "skip_step" else num_steps, 1)
+        self._check_nonfinite(float(bad), cursor.epoch, 1, ran)
+        good_steps = max(ran - float(bad) if cfg.nan_policy == "skip_step" else ran, 1)
         row = {"train_" + name.removeprefix("term."): float(total) / good_steps for name, total in zip(names, totals)}
         # Over the epoch's training (its first step's compilation included; validation not).
-        rate = (num_steps - first_step) * self.global_batch_size / max(time.perf_counter() - started, 1e-9)
+        rate = (ran - first_step) * self.global_batch_size / max(time.perf_counter() - started, 1e-9)
         figures = self.throughput.figures(rate) if self.throughput is not None else {}
         return {**row, "samples_per_s": round(rate, 2), **{k: float(f"{v:.4g}") for k, v in figures.items()}}
+
+    def _note_sampler_length(self, feed: _TrainFeed) -> None:
+        """A user's sampler whose length is not what it gives: the steps come from what it gives."""
+        sampler = feed.sampler
+        if not isinstance(sampler, UserSampler):
+            return
+        says, gives = sampler.announced(), sampler.given()
+        if says is not None and says != gives:
+            self._say(
+                f"note: the sampler's len() is {says} but it gave {gives} indices in epoch 1"
+                + (" on this process" if sampler.per_process else "")
+                + f": the Trainer runs the {feed.steps_per_epoch} step(s) per epoch those make, and sizes the "
+                "schedule by them"
+            )
+
+    def _count_steps(self, feed: _TrainFeed, cursor: Cursor, announced: int, step_done: int, extra: bool) -> int:
+        """The steps this epoch ran, said beside the announced count where they differ.
+
+        The loss mean and the samples/s are over the steps that ran. Micro-batches of an
+        accumulation group the epoch cut short are dropped (their gradients never reach a step).
+        """
+        if step_done == announced and not extra:
+            return announced
+        if step_done % self.config.grad_accum_steps:
+            self.optimizer.zero_grad(set_to_none=True)
+        source = "the sampler" if self._sampler is not None else f"{type(feed.dataset).__name__}.train_batches"
+        self._say(
+            f"warning: epoch {cursor.epoch} ran {step_done} step(s), but {announced} were announced from the data's "
+            f"length: {source} gave {'more' if extra else 'fewer'} batches. The epoch's train_loss is "
+            f"the mean over the {step_done} that ran"
+            + (f"; the batches after step {announced} were not trained on" if extra else "")
+            + "; a schedule sized by run.total_steps assumed the announced count. Give the data a length that "
+            "matches what it yields"
+        )
+        return step_done
 
     def _train_step(self, batch: Any, cursor: Cursor, step: int, last_micro: bool, sums: dict[str, torch.Tensor]) -> None:
         """One micro-batch: forward, loss, backward, and on the last micro-batch the optimizer step.
@@ -904,6 +995,15 @@ class Trainer:
             self._say(f"resuming with changed settings: {'; '.join(continued)}")
 
     def _save_checkpoint(self, cursor: Cursor, sums: dict[str, torch.Tensor]) -> Path | None:
+        path = self._write_checkpoint(cursor, sums)
+        if self._callbacks.wants("on_checkpoint"):
+            st = self.strategy
+            if st.num_processes > 1:  # the main process wrote it: every process hears of it once it is complete
+                path = next((Path(p) for p in st.gather_objects(str(path) if path else None) if p), None)
+            self._callbacks.call("on_checkpoint", self, path)
+        return path
+
+    def _write_checkpoint(self, cursor: Cursor, sums: dict[str, torch.Tensor]) -> Path | None:
         rt, st = self.runtime, self.strategy
         # Every process's generators and running sums, so each continues exactly as it was.
         local = dict(zip(sums, (float(t) for t in rt.read(list(sums.values())))))
@@ -996,13 +1096,13 @@ class Trainer:
             "process_index": st.process_index,
         }
 
-    def _data_loader(self, dataset: Any, sampler: Any) -> DataLoader[Any]:
+    def _data_loader(self, dataset: Any, sampler: Any, collate_fn: Callable[[list[Any]], Any] = collate) -> DataLoader[Any]:
         cfg = self.config
         return DataLoader(
             dataset if isinstance(dataset, (_Items, PaddedDataset)) else _Items(dataset),
             batch_size=sampler.loader_batch,
             sampler=sampler,
-            collate_fn=collate,
+            collate_fn=collate_fn,
             num_workers=cfg.num_workers,
             persistent_workers=cfg.num_workers > 0,
             pin_memory=self.runtime.pin_memory,
@@ -1033,9 +1133,14 @@ class Trainer:
                 # Raised by the training loop right after this read, not inside the runtime's callback.
                 self._nonfinite = (epoch, first, step, int(bad))
             stats = progress.report(step, loss_sum=float(mean_loss_sum), nonfinite=bad)
+            figures = self.throughput.figures(stats.samples_per_s) if self.throughput is not None else {}
             if self._tb is not None:
-                figures = self.throughput.figures(stats.samples_per_s) if self.throughput is not None else {}
                 self._tb.interval(tb_step, loss=stats.interval_loss, lr=lr, samples_per_s=stats.samples_per_s, **figures)
+            if self._callbacks.wants("on_interval"):
+                self._callbacks.call("on_interval", self, {
+                    "epoch": epoch, "step": step, "global_step": tb_step, "loss": stats.interval_loss,
+                    "lr": float(lr) if lr is not None else None, "samples_per_s": stats.samples_per_s, **figures,
+                })
 
         return show
 
@@ -1166,15 +1271,16 @@ def _check_class_outputs(loss_fn: Any, outputs: Any, targets: Any) -> None:
         )
 
 
-def _first_batch(data: Any, rows: int = 2) -> Any:
-    """A small batch of ``data`` for the dry run, collated as the loaders collate."""
+def _first_batch(data: Any, rows: int = 2, collate_fn: Callable[[list[Any]], Any] = collate) -> Any:
+    """A small batch of ``data`` for the dry run, collated as the loaders collate (training
+    batches with the user's ``collate_fn``)."""
     if isinstance(data, BatchSource):
         batch, _valid = next(iter(data.eval_batches(loader_batch=rows, num_processes=1, process_index=0)))
         return batch
     if len(data) == 0:
         raise ValueError("the evaluation set is empty: give at least one sample")
     items = _Items(data)
-    return collate([items[i] for i in range(min(rows, len(data)))])
+    return collate_fn([items[i] for i in range(min(rows, len(data)))])
 
 
 class _Items(Dataset):  # type: ignore[type-arg]
@@ -1413,36 +1519,42 @@ class _TrainFeed:
     """One epoch of this process's training batches at a time, on the device."""
 
     def __init__(self, trainer: Trainer, dataset: Any) -> None:
-        cfg = trainer.config
-        self._runtime, self._sharding = trainer.runtime, trainer.strategy.input_sharding
+        cfg, st = trainer.config, trainer.strategy
+        self._runtime, self._sharding = trainer.runtime, st.input_sharding
         self._dataset = dataset
         self._layout = trainer._layout(cfg.batch_size)
         self._seed = cfg.seed
         self._step_multiple = cfg.grad_accum_steps
-        self.steps_per_epoch = train_steps_per_epoch(
-            len(dataset), self._layout["loader_batch"], self._layout["num_processes"], cfg.grad_accum_steps
-        )
-        self._sampler: TrainSampler | None = None
-        if not isinstance(dataset, BatchSource):
-            self._sampler = TrainSampler(len(dataset), seed=cfg.seed, step_multiple=cfg.grad_accum_steps, **self._layout)
-            # Built once, so DataLoader workers persist across epochs.
-            self._loader = trainer._data_loader(dataset, self._sampler)
+        self.dataset = dataset
+        self.sampler: TrainSampler | UserSampler | None = None
+        if isinstance(dataset, BatchSource):
+            self.steps_per_epoch = train_steps_per_epoch(
+                len(dataset), self._layout["loader_batch"], self._layout["num_processes"], cfg.grad_accum_steps
+            )
+            return
+        if trainer._sampler is not None:
+            self.sampler = UserSampler(
+                trainer._sampler, dataset, seed=cfg.seed, step_multiple=cfg.grad_accum_steps,
+                agree=lambda steps: min(st.gather_objects(steps)) if st.num_processes > 1 else steps, **self._layout,
+            )
+        else:
+            self.sampler = TrainSampler(len(dataset), seed=cfg.seed, step_multiple=cfg.grad_accum_steps, **self._layout)
+        # The first epoch's steps (a user's sampler may give another count in a later epoch: the
+        # Trainer counts the steps each epoch runs).
+        self.steps_per_epoch = self.sampler.steps_per_epoch
+        # Built once, so DataLoader workers persist across epochs.
+        self._loader = trainer._data_loader(dataset, self.sampler, trainer._collate)
 
     def sample_indices(self, epoch: int, step: int) -> list[int] | None:
         """The dataset indices of this process's batch at ``step`` (from 1) of ``epoch``, where the
         Trainer's sampler chose them (None for a BatchSource, which reads records itself)."""
-        if self._sampler is None:
+        if self.sampler is None or self.sampler.epoch != epoch:
             return None
-        order = self._sampler.epoch_order() if self._sampler.epoch == epoch else None
-        if order is None:
-            return None
-        size = self._sampler.loader_batch
-        start = (step - 1) * size * self._sampler.num_processes + self._sampler.process_index * size
-        return order[start:start + size].tolist()
+        return self.sampler.step_indices(step)
 
     def batches(self, epoch: int, start_step: int = 0) -> Iterable[Any]:
-        if self._sampler is not None:
-            self._sampler.set_epoch(epoch, start_step)
+        if self.sampler is not None:
+            self.sampler.set_epoch(epoch, start_step)
             host: Iterable[Any] = self._loader
         else:
             host = self._dataset.train_batches(

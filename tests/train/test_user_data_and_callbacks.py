@@ -1,0 +1,259 @@
+"""A user's sampler and collate_fn, the steps an epoch really ran, and callbacks."""
+
+import functools
+import logging
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import RandomSampler, Sampler, TensorDataset
+
+from xlatrain import CheckpointConfig, TrainConfig, Trainer
+
+N, DIM, CLASSES, BATCH = 48, 6, 3, 8
+
+
+def _data(n=N, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, DIM, generator=g)
+    return TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long())
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(DIM, 16), nn.ReLU(), nn.Linear(16, CLASSES))
+
+
+def _trainer(tmp_path, name="run", loss=None, epochs=2, checkpoint=None, **kwargs):
+    return Trainer(
+        _model(), loss or nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9),
+        config=TrainConfig(epochs=epochs, batch_size=BATCH, run_dir=str(tmp_path / name), log_every=2,
+                           diagnostics=False, tensorboard=False),
+        checkpoint=checkpoint, backend="cpu", **kwargs,
+    )
+
+
+class ListSampler(Sampler):
+    """Yields a fixed list of indices per epoch (``orders[epoch]``, by set_epoch), and says a length."""
+
+    def __init__(self, orders, says):
+        self.orders, self.says, self.epoch = orders, says, 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __iter__(self):
+        return iter(self.orders[min(self.epoch, len(self.orders) - 1)])
+
+    def __len__(self):
+        return self.says
+
+
+def _hand_losses(orders, epochs, collate=None):
+    """The loop a user writes: the same model, optimizer and batches, in the sampler's order."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    data = _data()
+    per_epoch = []
+    for epoch in range(epochs):
+        order = orders[min(epoch, len(orders) - 1)]
+        losses = []
+        for start in range(0, len(order) // BATCH * BATCH, BATCH):
+            x, y = (collate or (lambda items: tuple(torch.stack(c) for c in zip(*items))))(
+                [data[i] for i in order[start:start + BATCH]])
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+        per_epoch.append(sum(losses) / len(losses))
+    return per_epoch
+
+
+def test_a_sampler_sets_the_order_and_the_steps_and_a_shorter_epoch_is_said_with_its_true_mean(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="xlatrain")
+    # Epoch 1: 40 indices (5 steps), in an order of the sampler's own; epoch 2: 24 (3 steps).
+    # len() says 48 samples: 6 steps, which neither epoch gives.
+    first = [(7 * i) % N for i in range(40)]
+    second = list(range(N - 1, N - 25, -1))
+    history = _trainer(tmp_path, sampler=ListSampler([first, second], says=N)).fit(_data())
+    expected = _hand_losses([first, second], 2)
+    assert [row["train_loss"] for row in history] == pytest.approx(expected, rel=1e-5)
+    out = caplog.text
+    assert "5 optimizer steps per epoch" in out
+    assert "the sampler's len() is 48 but it gave 40 indices in epoch 1" in out
+    assert "epoch 2 ran 3 step(s), but 5 were announced" in out
+    assert "epoch 1 ran" not in out
+
+
+def test_an_unseeded_random_sampler_gives_the_same_epochs_again_and_resumes_mid_epoch_exactly(tmp_path):
+    # RandomSampler draws from torch's global generator: the Trainer seeds it per epoch, so two
+    # runs read the same orders, and a run resumed from a mid-epoch checkpoint ends as the whole run.
+    every = CheckpointConfig(every_steps=2, keep_last=100)
+    whole = _trainer(tmp_path, "whole", sampler=RandomSampler(_data()), checkpoint=every).fit(_data())
+    again = _trainer(tmp_path, "again", sampler=RandomSampler(_data())).fit(_data())
+    assert [r["train_loss"] for r in again] == [r["train_loss"] for r in whole]
+    mid = sorted((tmp_path / "whole" / "checkpoints").glob("step-*"))[3]  # step 8: epoch 2, step 2 of 6
+    resumed = _trainer(tmp_path, "resumed", sampler=RandomSampler(_data())).fit(_data(), resume=str(mid))
+    assert resumed[-1]["train_loss"] == pytest.approx(whole[-1]["train_loss"], rel=1e-6)
+    # And not the order the Trainer uses without a sampler.
+    plain = _trainer(tmp_path, "plain").fit(_data())
+    assert plain[0]["train_loss"] != whole[0]["train_loss"]
+
+
+def test_a_sampler_factory_builds_this_process_sampler(tmp_path):
+    built = []
+
+    def factory(dataset, num_replicas, rank):
+        built.append((len(dataset), num_replicas, rank))
+        return torch.utils.data.DistributedSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=False)
+
+    _trainer(tmp_path, sampler=factory, epochs=1).fit(_data())
+    assert built == [(N, 1, 0)]
+    with pytest.raises(ValueError, match="gave index 99 in epoch 1, outside the training set's 0..47"):
+        _trainer(tmp_path, "bad", sampler=[0, 1, 99] * 8).fit(_data())
+
+
+def test_collate_fn_makes_the_training_batches_and_the_dry_run_goes_through_it(tmp_path):
+    seen = []
+
+    def soft(items):  # label smoothing in the collate, as mixup/cutmix make soft N x C targets
+        x = torch.stack([i[0] for i in items])
+        y = nn.functional.one_hot(torch.stack([i[1] for i in items]), CLASSES).float() * 0.8 + 0.2 / CLASSES
+        return x, y
+
+    def loss(outputs, targets):
+        seen.append((tuple(targets.shape), targets.dtype))
+        return nn.functional.cross_entropy(outputs, targets)
+
+    order = list(range(N))
+    history = _trainer(tmp_path, loss=loss, collate_fn=soft, sampler=order).fit(_data(), _data(16, seed=1))
+    # Training saw soft targets (the dry run's 2 rows first), validation the dataset's class indices.
+    assert seen[0] == ((2, CLASSES), torch.float32)
+    assert ((BATCH, CLASSES), torch.float32) in seen and ((2,), torch.int64) in seen
+
+    def hand(items):
+        return soft(items)
+    expected = []
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(2):
+        losses = []
+        for start in range(0, N, BATCH):
+            x, y = hand([_data()[i] for i in order[start:start + BATCH]])
+            step_loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            step_loss.backward()
+            opt.step()
+            losses.append(float(step_loss.detach()))
+        expected.append(sum(losses) / len(losses))
+    assert [r["train_loss"] for r in history] == pytest.approx(expected, rel=1e-5)
+
+    def wrong(items):  # targets of another length than the outputs: caught before any step
+        x, y = soft(items)
+        return x, y[:, :2]
+
+    with pytest.raises(ValueError, match="dry run on one training batch"):
+        _trainer(tmp_path, "wrong", collate_fn=wrong).fit(_data())
+    assert not (tmp_path / "wrong" / "history.json").exists()
+
+
+class Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def on_fit_start(self, trainer):
+        self.calls.append(("fit_start", trainer.is_main))
+
+    def on_interval(self, trainer, values):
+        self.calls.append(("interval", values))
+
+    def on_epoch_end(self, trainer, row):
+        self.calls.append(("epoch_end", dict(row)))
+
+    def on_checkpoint(self, trainer, path):
+        self.calls.append(("checkpoint", path, path.exists()))
+
+    def on_fit_end(self, trainer, history):
+        self.calls.append(("fit_end", len(history)))
+
+
+class StopAfter:
+    """Only one hook: the others are skipped."""
+
+    def __init__(self, epoch):
+        self.epoch = epoch
+
+    def on_epoch_end(self, trainer, row):
+        if row["epoch"] == self.epoch:
+            trainer.request_stop(f"enough after epoch {self.epoch}")
+
+
+def test_callbacks_hear_each_point_of_the_run_with_host_values_and_can_stop_it(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="xlatrain")
+    rec = Recorder()
+    trainer = _trainer(tmp_path, epochs=5, callbacks=[rec, StopAfter(2)])
+    history = trainer.fit(_data(), _data(16, seed=1))
+    assert len(history) == 2
+    assert "stopped after epoch 2: enough after epoch 2 (request_stop)" in caplog.text
+    kinds = [c[0] for c in rec.calls]
+    assert kinds[0] == "fit_start" and rec.calls[0][1] is True and kinds[-1] == "fit_end"
+    assert rec.calls[-1] == ("fit_end", 2)
+    # Per epoch of 6 steps logged every 2: intervals at steps 2 and 4, then the epoch's checkpoint
+    # and its end, whose row is the history's.
+    assert kinds[1:-1] == ["interval", "interval", "checkpoint", "epoch_end"] * 2
+    intervals = [c[1] for c in rec.calls if c[0] == "interval"]
+    assert [(v["epoch"], v["step"]) for v in intervals] == [(1, 2), (1, 4), (2, 2), (2, 4)]
+    for v in intervals:
+        assert all(isinstance(v[k], float) for k in ("loss", "lr", "samples_per_s")), v
+    assert [c[1] for c in rec.calls if c[0] == "epoch_end"] == history
+    checkpoints = [c for c in rec.calls if c[0] == "checkpoint"]
+    assert all(exists for _, _, exists in checkpoints)
+    assert [p.name for _, p, _ in checkpoints] == ["step-00000006", "step-00000012"]
+    # The stopped run resumes, and trains on to its last epoch.
+    more = _trainer(tmp_path, epochs=5).fit(_data(), _data(16, seed=1))
+    assert [r["epoch"] for r in more] == [1, 2, 3, 4, 5]
+
+
+def test_a_callback_without_any_hook_is_refused_at_once(tmp_path):
+    with pytest.raises(TypeError, match="has none of the methods on_fit_start"):
+        _trainer(tmp_path, callbacks=[object()])
+
+
+# --- under torchrun: a shared order split over processes, and per-process samplers -----------
+
+def _sampler_fit(tmp_path, name, mode, batch, processes):
+    import json
+    import shutil
+    import sys
+    from pathlib import Path
+
+    from conftest import SCRIPTS, run_command
+
+    launcher = [sys.executable] if processes == 1 else [
+        shutil.which("torchrun", path=str(Path(sys.executable).parent)),
+        "--nproc-per-node", str(processes), "--master-port", "0", "--standalone"]
+    proc = run_command([*launcher, str(SCRIPTS / "sampler_fit.py"), str(tmp_path / name), mode, str(batch)], timeout=300)
+    found = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if line.startswith(("HISTORY ", "READ ")))
+    return json.loads(found["HISTORY"]), json.loads(found["READ"])
+
+
+@pytest.mark.multiprocess
+def test_under_ddp_a_shared_order_is_split_over_processes_and_per_process_samplers_agree_on_the_steps(tmp_path):
+    order = [(37 * i) % 64 for i in range(64)][::-1]
+    alone, _ = _sampler_fit(tmp_path, "alone", "shared", 16, 1)
+    two, reads = _sampler_fit(tmp_path, "two", "shared", 8, 2)
+    # The same global batches in the same order: two processes train as one does.
+    assert [r["train_loss"] for r in two] == pytest.approx([r["train_loss"] for r in alone], rel=1e-5)
+    for rank, read in enumerate(reads):  # the last 2 epochs x 4 steps x 8 are the training reads
+        mine = [i for step in range(4) for i in order[step * 16 + rank * 8: step * 16 + rank * 8 + 8]]
+        assert read[-64:] == mine * 2
+    # DistributedSampler built for each process: each reads its own indices.
+    _, reads = _sampler_fit(tmp_path, "factory", "factory", 8, 2)
+    for rank, read in enumerate(reads):
+        assert read[-64:] == list(range(rank, 64, 2)) * 2
+    # Rank 1's sampler gives 16 indices, rank 0's 24: both run 2 steps an epoch, and nothing waits.
+    history, reads = _sampler_fit(tmp_path, "uneven", "uneven", 8, 2)
+    assert len(history) == 2
+    assert reads[0][-32:] == list(range(0, 32, 2)) * 2
+    assert reads[1][-32:] == list(range(1, 32, 2)) * 2
