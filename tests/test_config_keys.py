@@ -43,6 +43,9 @@ ELSEWHERE = {
     "trainer.monitor": ("train/test_trainer.py", "test_an_unknown_monitor_names_the_columns"),
     "trainer.monitor_mode": ("train/test_resume_bookkeeping.py", "test_a_minimised_custom_metric_keeps_the_lowest_epoch"),
     "trainer.scheduler_interval": ("train/test_trainer.py", "test_step_schedules_and_scale_lr_on_one_device_leave_the_rate"),
+    "trainer.top_k": (
+        "train/test_user_data_and_callbacks.py",
+        "test_top_k_accuracy_is_reported_with_the_others_and_soft_targets_score_as_their_likeliest_class"),
     "trainer.early_stop_patience": (
         "train/test_pipelines.py", "test_early_stopping_stops_at_the_expected_epoch_and_a_rerun_trains_nothing"),
     "trainer.save_best": ("train/test_pipelines.py", "test_save_best_false_writes_no_best_weights"),

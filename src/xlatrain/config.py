@@ -153,6 +153,8 @@ class TrainConfig:
         num_workers: DataLoader worker processes per replica.
         task: ``classification`` (accuracy), ``multilabel`` (per-label AUC), ``none`` (loss only)
             or ``auto`` (from the loss: CrossEntropyLoss / BCEWithLogitsLoss).
+        top_k: classification: also report ``val_top{k}_accuracy`` for each ``k`` (``(5,)``: top-5),
+            summed on the device and read with the other metrics.
         monitor: history column that selects the best weights (default from the task).
         monitor_mode: ``max`` or ``min``; may be left out only for a name ending in ``_loss``
             (min), ``_accuracy`` or ``_auc`` (max).
@@ -189,6 +191,7 @@ class TrainConfig:
     seed: int = 0
     num_workers: int = 0
     task: str = "auto"
+    top_k: tuple[int, ...] = ()
     monitor: str | None = None
     monitor_mode: str | None = None
     scheduler_interval: str = "epoch"
@@ -219,6 +222,13 @@ class TrainConfig:
         _positive_int("log_every", self.log_every)
         _positive_int("num_workers", self.num_workers, minimum=0)
         _choice("task", self.task, TASKS)
+        top_k = (self.top_k,) if isinstance(self.top_k, int) else self.top_k
+        if not isinstance(top_k, (tuple, list)) or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in top_k):
+            raise ValueError(
+                f"top_k={self.top_k!r} is not valid: give the k of each top-k accuracy to report, e.g. top_k=(5,) "
+                "for val_top5_accuracy (positive integers)"
+            )
+        object.__setattr__(self, "top_k", tuple(sorted(set(top_k))))
         if self.monitor_mode is not None:
             _choice("monitor_mode", self.monitor_mode, MONITOR_MODES)
         elif self.monitor is not None and monitor_mode_for(self.monitor) is None:

@@ -257,3 +257,33 @@ def test_under_ddp_a_shared_order_is_split_over_processes_and_per_process_sample
     assert len(history) == 2
     assert reads[0][-32:] == list(range(0, 32, 2)) * 2
     assert reads[1][-32:] == list(range(1, 32, 2)) * 2
+
+
+# --- top-k accuracy and soft targets ---------------------------------------------------------
+
+def test_top_k_accuracy_is_reported_with_the_others_and_soft_targets_score_as_their_likeliest_class(tmp_path):
+    classes, n = 6, 40
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(n, DIM, generator=g)
+    y = torch.randint(0, classes, (n,), generator=g)
+    torch.manual_seed(0)
+    model = nn.Linear(DIM, classes)  # untrained: top-1 is low, top-k higher
+    trainer = Trainer(model, nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.0),
+                      config=TrainConfig(batch_size=BATCH, run_dir=str(tmp_path / "r"), top_k=(3, 6)), backend="cpu")
+    metrics = trainer.evaluate(TensorDataset(x, y))
+    with torch.no_grad():
+        ranked = model(x).topk(3, dim=1).indices
+    assert metrics["accuracy"] == pytest.approx(float((ranked[:, 0] == y).float().mean()))
+    assert metrics["top3_accuracy"] == pytest.approx(float((ranked == y[:, None]).any(1).float().mean()))
+    assert metrics["top6_accuracy"] == 1.0  # every class is among all six
+    assert metrics["accuracy"] <= metrics["top3_accuracy"] < 1.0
+    # The same set with class probabilities as targets: scored against their likeliest class.
+    soft = nn.functional.one_hot(y, classes).float() * 0.7 + 0.3 / classes
+    again = trainer.evaluate(TensorDataset(x, soft))
+    assert again["accuracy"] == metrics["accuracy"] and again["top3_accuracy"] == metrics["top3_accuracy"]
+    with pytest.raises(ValueError, match="top_k=\\(3, 7\\) asks for top-7 accuracy, but the model has 6 outputs"):
+        Trainer(nn.Linear(DIM, classes), nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.0),
+                config=TrainConfig(batch_size=BATCH, run_dir=str(tmp_path / "r7"), top_k=(3, 7)),
+                backend="cpu").fit(TensorDataset(x, y), TensorDataset(x, y))
+    with pytest.raises(ValueError, match="top_k=0 is not valid"):
+        TrainConfig(top_k=0)

@@ -87,12 +87,16 @@ class EvalAccumulator:
     every row: a whole-set loss, multilabel AUC, ``metrics_fn``.
     """
 
-    def __init__(self, task: str, device: torch.device, loss: EvalLoss, rows: RowCollector | None) -> None:
+    def __init__(
+        self, task: str, device: torch.device, loss: EvalLoss, rows: RowCollector | None, top_k: Sequence[int] = ()
+    ) -> None:
         self.task = task
+        self.top_k = list(top_k) if task == "classification" else []
         self.loss = loss
         self.sums: dict[str, torch.Tensor] = {}
         self.count = torch.zeros((), device=device)
         self.correct = torch.zeros((), device=device)
+        self.top_correct = [torch.zeros((), device=device) for _ in self.top_k]
         self.rows = rows
 
     def update(self, outputs: Any, targets: Any, valid_B: torch.Tensor) -> None:
@@ -103,8 +107,15 @@ class EvalAccumulator:
                 masked = (values_B * mask_B).sum()
                 self.sums[name] = self.sums[name] + masked if name in self.sums else masked
         if self.task == "classification":
+            if targets.is_floating_point():  # soft targets (label smoothing, mixup): their likeliest class
+                targets = targets.argmax(dim=1)
             hit_B = (outputs.argmax(dim=1) == targets) & valid_B
             self.correct = self.correct + hit_B.sum().to(self.correct.dtype)
+            if self.top_k:
+                top_BK = outputs.topk(max(self.top_k), dim=1).indices == targets[:, None]
+                for i, k in enumerate(self.top_k):
+                    hits = top_BK[:, :k].any(dim=1) & valid_B
+                    self.top_correct[i] = self.top_correct[i] + hits.sum().to(self.correct.dtype)
         if self.rows is not None:
             self.rows.add((outputs, targets))
 
@@ -117,13 +128,15 @@ class EvalAccumulator:
     ) -> dict[str, float]:
         """Reduce over processes, read once, and return host floats."""
         names = list(self.sums)
-        stacked = torch.stack([self.sums[n] for n in names] + [self.count, self.correct])
+        stacked = torch.stack([self.sums[n] for n in names] + [self.count, self.correct, *self.top_correct])
         (sums,) = runtime.read([strategy.all_reduce_sum(stacked)])
-        *term_sums, count, correct = sums.double().tolist()
+        *term_sums, count, correct = sums.double().tolist()[: len(names) + 2]
+        top_correct = sums.double().tolist()[len(names) + 2:]
         out: dict[str, float] = {name: value / count for name, value in zip(names, term_sums)}
         out["num_samples"] = int(count)
         if self.task == "classification":
             out["accuracy"] = correct / count
+            out.update({f"top{k}_accuracy": c / count for k, c in zip(self.top_k, top_correct)})
         if self.rows is not None:
             outputs, targets = self.rows.result()
             if self.loss.per_sample is None:

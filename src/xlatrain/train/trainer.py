@@ -483,7 +483,8 @@ class Trainer:
         if self._diag is not None:
             batches = self._diag.timed(batches, "eval", 0)
         keep_rows = self.metrics_fn is not None or self.task == "multilabel" or self._eval_loss.per_sample is None
-        acc = EvalAccumulator(self.task, rt.device, self._eval_loss, RowCollector(rt, st, layout) if keep_rows else None)
+        acc = EvalAccumulator(self.task, rt.device, self._eval_loss, RowCollector(rt, st, layout) if keep_rows else None,
+                              top_k=self.config.top_k)
         self.model.eval()
         with torch.no_grad():
             for batch, valid_B in batches:
@@ -557,7 +558,7 @@ class Trainer:
                     if role == "validation" or self._eval_loss is None:
                         self._eval_loss = EvalLoss.choose(self.loss_fn, as_float(outputs), targets)
                     if role == "validation":
-                        _check_task(self.task, outputs, targets)
+                        _check_task(self.task, outputs, targets, self.config.top_k)
         except ValueError as exc:
             raise ValueError(f"a dry run on one {role} batch, before training: {exc}") from None
         except Exception as exc:  # the user's model or loss failed: keep its own error, say where
@@ -1335,21 +1336,27 @@ def _shapes(batch: Any) -> str:
     return str(leaves)
 
 
-def _check_task(task: str, outputs: Any, targets: Any) -> None:
+def _check_task(task: str, outputs: Any, targets: Any, top_k: Sequence[int] = ()) -> None:
     """The task's metrics can be computed from these outputs and targets (shapes and dtypes only)."""
     def shape(x: Any) -> Any:
         return tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
 
     fix = "set TrainConfig(task='none') to report the loss (and metrics_fn's metrics) only"
     if task == "classification":
-        ok = (
-            isinstance(outputs, torch.Tensor) and isinstance(targets, torch.Tensor) and outputs.dim() == 2
-            and targets.dim() == 1 and not targets.is_floating_point() and targets.shape[0] == outputs.shape[0]
+        ok = isinstance(outputs, torch.Tensor) and isinstance(targets, torch.Tensor) and outputs.dim() == 2 and (
+            (targets.dim() == 1 and not targets.is_floating_point() and targets.shape[0] == outputs.shape[0])
+            or (targets.is_floating_point() and targets.shape == outputs.shape)  # class probabilities
         )
         if not ok:
             raise ValueError(
-                "task='classification' reports accuracy from [batch, classes] logits and [batch] class indices, "
-                f"but the model returned {shape(outputs)} and the targets are {shape(targets)}: {fix}"
+                "task='classification' reports accuracy from [batch, classes] logits and [batch] class indices "
+                f"(or class probabilities of the logits' shape), but the model returned {shape(outputs)} and the "
+                f"targets are {shape(targets)}: {fix}"
+            )
+        if top_k and max(top_k) > outputs.shape[1]:
+            raise ValueError(
+                f"top_k={tuple(top_k)} asks for top-{max(top_k)} accuracy, but the model has {outputs.shape[1]} outputs "
+                f"(classes): give ks of at most {outputs.shape[1]}"
             )
     elif task == "multilabel":
         ok = isinstance(outputs, torch.Tensor) and isinstance(targets, torch.Tensor) and outputs.dim() == 2 \
