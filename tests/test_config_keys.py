@@ -46,6 +46,12 @@ ELSEWHERE = {
     "trainer.top_k": (
         "train/test_user_data_and_callbacks.py",
         "test_top_k_accuracy_is_reported_with_the_others_and_soft_targets_score_as_their_likeliest_class"),
+    "trainer.ema_decay": (
+        "train/test_user_data_and_callbacks.py",
+        "test_the_ema_is_what_its_formula_gives_is_scored_beside_the_model_and_survives_resume"),
+    "trainer.ema_every": (
+        "train/test_user_data_and_callbacks.py",
+        "test_the_ema_is_what_its_formula_gives_is_scored_beside_the_model_and_survives_resume"),
     "trainer.early_stop_patience": (
         "train/test_pipelines.py", "test_early_stopping_stops_at_the_expected_epoch_and_a_rerun_trains_nothing"),
     "trainer.save_best": ("train/test_pipelines.py", "test_save_best_false_writes_no_best_weights"),

@@ -155,6 +155,12 @@ class TrainConfig:
             or ``auto`` (from the loss: CrossEntropyLoss / BCEWithLogitsLoss).
         top_k: classification: also report ``val_top{k}_accuracy`` for each ``k`` (``(5,)``: top-5),
             summed on the device and read with the other metrics.
+        ema_decay: keep an exponential moving average of the weights, ``ema = decay * ema + (1 -
+            decay) * weights`` every ``ema_every`` optimizer steps, on the device (``None``: none).
+            It is scored on the validation data beside the live model (``val_ema_...`` columns),
+            saved in checkpoints and restored on resume, and written to ``RUN_DIR/ema.safetensors``
+            after each epoch; monitoring a ``val_ema_`` column makes ``best.safetensors`` the EMA's.
+        ema_every: optimizer steps between EMA updates.
         monitor: history column that selects the best weights (default from the task).
         monitor_mode: ``max`` or ``min``; may be left out only for a name ending in ``_loss``
             (min), ``_accuracy`` or ``_auc`` (max).
@@ -192,6 +198,8 @@ class TrainConfig:
     num_workers: int = 0
     task: str = "auto"
     top_k: tuple[int, ...] = ()
+    ema_decay: float | None = None
+    ema_every: int = 1
     monitor: str | None = None
     monitor_mode: str | None = None
     scheduler_interval: str = "epoch"
@@ -229,6 +237,12 @@ class TrainConfig:
                 "for val_top5_accuracy (positive integers)"
             )
         object.__setattr__(self, "top_k", tuple(sorted(set(top_k))))
+        if self.ema_decay is not None and not (isinstance(self.ema_decay, (int, float)) and 0 < self.ema_decay < 1):
+            raise ValueError(
+                f"ema_decay={self.ema_decay!r} is not valid: give the average's decay per update, between 0 and 1 "
+                "(0.999 is typical; torchvision's recipe uses 0.99998 per step), or None for no EMA"
+            )
+        _positive_int("ema_every", self.ema_every)
         if self.monitor_mode is not None:
             _choice("monitor_mode", self.monitor_mode, MONITOR_MODES)
         elif self.monitor is not None and monitor_mode_for(self.monitor) is None:

@@ -2,7 +2,7 @@
 
 Usage: python strategy_fit.py RUN_DIR ACCELERATOR STRATEGY EPOCHS PER_DEVICE_BATCH [key=value ...]
 keys: opt=adamw (default SGD with momentum)  accum=N  clip=X  precision=bf16  every=N (checkpoint every N optimizer steps)  meta=1
-(build on the meta device)  ac=1 (activation checkpointing)  predict=1  final=1 (save the final
+(build on the meta device)  ac=1 (activation checkpointing)  ema=D (an EMA of the weights with that decay)  predict=1  final=1 (save the final
 weights)  devices=N
 The main process prints HISTORY (per-epoch rows), FACTS (per process: what it holds), MEMORY (per
 process: the memory plan made before the first step and the real state bytes after a backward
@@ -74,6 +74,7 @@ def main() -> None:
             epochs=int(epochs), batch_size=int(batch), run_dir=run_dir, log_every=1000,
             grad_accum_steps=int(opts.get("accum", 1)), precision=opts.get("precision", "32"),
             clip_grad_norm=float(opts["clip"]) if "clip" in opts else None,
+            ema_decay=float(opts["ema"]) if "ema" in opts else None,
         ),
         checkpoint=xlatrain.CheckpointConfig(every_steps=int(opts["every"]) if "every" in opts else None, keep_last=100),
         backend=xlatrain.BackendConfig(

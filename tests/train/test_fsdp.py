@@ -199,6 +199,18 @@ def test_activation_checkpointing_keeps_the_trajectory(tmp_path):
     _same_losses(checkpointed["HISTORY"], plain["HISTORY"])
 
 
+@pytest.mark.multiprocess
+def test_the_ema_is_sharded_with_the_optimizer_state_and_comes_back_on_resume(tmp_path):
+    whole = _fit(tmp_path / "whole", "cpu", "fsdp", 2, 12, "ema=0.8", launcher=_torchrun(2))["HISTORY"]
+    _fit(tmp_path / "split", "cpu", "fsdp", 1, 12, "ema=0.8", launcher=_torchrun(2))
+    resumed = _fit(tmp_path / "split", "cpu", "fsdp", 2, 12, "ema=0.8", launcher=_torchrun(2))
+    assert "resumed from" in resumed["stdout"]
+    # The EMA weights of epoch 2 score the same: their averages came back from the sharded checkpoint.
+    assert resumed["HISTORY"][-1]["val_ema_loss"] == pytest.approx(whole[-1]["val_ema_loss"], rel=1e-6)
+    assert whole[-1]["val_ema_loss"] != whole[-1]["val_loss"]
+    _same_weights(tmp_path / "split" / "ema.safetensors", tmp_path / "whole" / "ema.safetensors", rtol=1e-6, atol=1e-7)
+
+
 def _tied_net():
     import importlib.util
 

@@ -287,3 +287,70 @@ def test_top_k_accuracy_is_reported_with_the_others_and_soft_targets_score_as_th
                 backend="cpu").fit(TensorDataset(x, y), TensorDataset(x, y))
     with pytest.raises(ValueError, match="top_k=0 is not valid"):
         TrainConfig(top_k=0)
+
+
+# --- an EMA of the weights ---------------------------------------------------------------------
+
+def _ema_trainer(tmp_path, name, checkpoint=None, epochs=2, **cfg):
+    return Trainer(
+        _model(), nn.CrossEntropyLoss(), functools.partial(torch.optim.Adam, lr=0.01),
+        config=TrainConfig(epochs=epochs, batch_size=BATCH, run_dir=str(tmp_path / name), log_every=1000,
+                           ema_decay=0.9, ema_every=2, tensorboard=False, **cfg),
+        checkpoint=checkpoint, backend="cpu", sampler=list(range(N)),
+    )
+
+
+def test_the_ema_is_what_its_formula_gives_is_scored_beside_the_model_and_survives_resume(tmp_path):
+    from xlatrain import load_weights
+    from safetensors.torch import load_file
+
+    every = CheckpointConfig(every_steps=1, keep_last=100)
+    history = _ema_trainer(tmp_path, "whole", checkpoint=every).fit(_data(), _data(16, seed=1))
+    # By hand: the same steps; the first optimizer step's weights start the average, then every
+    # 2nd step ema = 0.9 ema + 0.1 w.
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    data, ema, step = _data(), None, 0
+    for _ in range(2):
+        for start in range(0, N, BATCH):
+            x, y = (torch.stack(c) for c in zip(*[data[i] for i in range(start, start + BATCH)]))
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            step += 1
+            w = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            if ema is None:
+                ema = w
+            elif step % 2 == 0:
+                ema = {k: 0.9 * ema[k] + 0.1 * w[k] for k in w}
+    saved = load_file(str(tmp_path / "whole" / "ema.safetensors"))
+    assert saved.keys() == ema.keys()
+    for k in ema:
+        torch.testing.assert_close(saved[k], ema[k], rtol=1e-5, atol=1e-6)
+        assert not torch.equal(saved[k], model.state_dict()[k])  # the average, not the last weights
+    # Scored beside the live model: val_ema_loss is the EMA weights' loss on the validation set.
+    row = history[-1]
+    assert {"val_loss", "val_accuracy", "val_ema_loss", "val_ema_accuracy"} <= set(row)
+    scored = _model()
+    load_weights(scored, tmp_path / "whole" / "ema.safetensors")
+    with torch.no_grad():
+        vx, vy = _data(16, seed=1).tensors
+        assert row["val_ema_loss"] == pytest.approx(float(nn.functional.cross_entropy(scored(vx), vy)), rel=1e-5)
+    # Resumed from a checkpoint mid-epoch 2 (step 9 of 12): the same average at the end.
+    mid = tmp_path / "whole" / "checkpoints" / "step-00000009"
+    _ema_trainer(tmp_path, "resumed").fit(_data(), _data(16, seed=1), resume=str(mid))
+    resumed = load_file(str(tmp_path / "resumed" / "ema.safetensors"))
+    for k in ema:
+        torch.testing.assert_close(resumed[k], saved[k], rtol=1e-6, atol=1e-7)
+
+
+def test_monitoring_an_ema_column_makes_the_best_weights_the_ema(tmp_path):
+    from safetensors.torch import load_file
+
+    _ema_trainer(tmp_path, "m", epochs=1, monitor="val_ema_loss").fit(_data(), _data(16, seed=1))
+    best = load_file(str(tmp_path / "m" / "best.safetensors"))
+    ema = load_file(str(tmp_path / "m" / "ema.safetensors"))
+    assert all(torch.equal(best[k], ema[k]) for k in ema)
+    with pytest.raises(ValueError, match="ema_decay=1.5 is not valid"):
+        TrainConfig(ema_decay=1.5)

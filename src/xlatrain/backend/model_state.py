@@ -324,9 +324,19 @@ def load_dcp(
     from xlatrain.shard_storage import SafeShardReader
 
     tensors, _ = dcp_state(model, optimizer)  # targets shaped as this process holds them
+    reader = SafeShardReader(path)
+    # Per-parameter optimizer entries the checkpoint holds beyond what the optimizer makes itself
+    # (the Trainer's EMA of the weights): targets shaped and sharded as the parameter.
+    saved = set(reader.read_metadata().state_dict_metadata)
+    for fqn, per_param in tensors["optim"].items():
+        prefix = f"optim.{fqn}."
+        for key in saved:
+            name = key[len(prefix):]
+            if key.startswith(prefix) and "." not in name and name not in per_param and fqn in tensors["model"]:
+                per_param[name] = torch.empty_like(tensors["model"][fqn])
     kwargs = {"planner": planner} if planner is not None else {}
     with _quiet_dcp():
-        dcp.load(tensors, storage_reader=SafeShardReader(path), no_dist=no_dist, **kwargs)
+        dcp.load(tensors, storage_reader=reader, no_dist=no_dist, **kwargs)
     state: dict[str, Any] = {}
     for fqn, per_param in tensors["optim"].items():
         state[fqn] = dict(per_param)

@@ -183,6 +183,9 @@ RESUME_RULES: dict[str, str] = {
     "trainer.seed": "error",
     "trainer.num_workers": "continue",
     "trainer.task": "error",
+    "trainer.top_k": "continue",  # columns added or left out from here on
+    "trainer.ema_decay": "continue",  # the average goes on with the new decay (or starts here)
+    "trainer.ema_every": "continue",
     "trainer.monitor": "error",
     "trainer.monitor_mode": "error",
     "trainer.scheduler_interval": "error",
@@ -236,7 +239,8 @@ def resume_changes(old: dict[str, Any], new: dict[str, Any], epochs_done: int) -
 
     Each line is ``key old -> new``; ``refused`` ones say why the run cannot go on under them.
     """
-    before, after = _flatten(old), _flatten(new)
+    # The new config as the checkpoint holds it: through JSON (a tuple reads back as a list).
+    before, after = _flatten(old), _flatten(json.loads(json.dumps(new, default=str)))
     continued, refused = [], []
     for key in sorted(set(before) | set(after)):
         was, now = before.get(key), after.get(key)

@@ -72,6 +72,9 @@ from xlatrain.train.state import (
 
 log = get_logger(__name__)
 
+EMA_KEY = "xlatrain_ema"  # the optimizer state entry holding a parameter's moving average
+EMA_WEIGHTS = "ema.safetensors"  # the EMA weights, written after each epoch
+
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[..., Any]
 
@@ -211,6 +214,7 @@ class Trainer:
         self._sampler = sampler
         self._callbacks = Callbacks(callbacks)
         self._stop_reason: str | None = None
+        self._ema_ready = False  # the optimizer's state holds an EMA of every parameter
         self.config = cfg = config or TrainConfig()
         self.checkpoint = checkpoint or CheckpointConfig()
         self.layout = BatchLayout(inputs, targets)
@@ -368,6 +372,9 @@ class Trainer:
         self._start_loss_sum = None
         cursor, sums = self._resume(resume)
         self.history = cursor.history
+        # A resumed run's averages came back with the optimizer's state.
+        self._ema_ready = cfg.ema_decay is not None and all(
+            EMA_KEY in self.optimizer.state.get(p, {}) for g in self.optimizer.param_groups for p in g["params"])
         if self.checkpoint.enabled and cursor.next_position()[0] <= cfg.epochs:
             self._check_disk_room()
         self._say(
@@ -421,6 +428,10 @@ class Trainer:
                 if val_data is not None:
                     metrics = self.evaluate(val_data)
                     row.update({f"val_{k}": v for k, v in metrics.items() if k != "num_samples"})
+                    if cfg.ema_decay is not None:
+                        with self._ema_weights():
+                            metrics = self.evaluate(val_data)
+                        row.update({f"val_ema_{k}": v for k, v in metrics.items() if k != "num_samples"})
                 row["epoch_time_s"] = round(time.perf_counter() - started, 3)
                 sums, start_step = self._new_sums(), 0
                 self._finish_epoch(row, cursor, sums)
@@ -468,6 +479,9 @@ class Trainer:
             if cursor.epoch == cfg.epochs or self._patience_spent(cursor):
                 final = {k: v for k, v in row.items() if k.startswith(("train_", "val_"))}
                 tb.hparams(self._config_record, {**final, f"best_{self.monitor}": cursor.best}, step=cursor.global_step)
+        if cfg.ema_decay is not None:
+            with self._ema_weights(), _writing(self.run_dir / EMA_WEIGHTS):
+                self.save_weights(self.run_dir / EMA_WEIGHTS)
         if self.checkpoint.enabled and self.checkpoint.at_epoch_end:
             self._save_checkpoint(cursor, sums)
         self._say(_epoch_line(row, cfg.epochs, self.monitor, improved))
@@ -616,6 +630,8 @@ class Trainer:
             devices=st.world_size, dtype="bfloat16" if cfg.precision == "bf16" else "float32",
         )
         state = st.planned_state_bytes(self.model, self.optimizer)
+        if cfg.ema_decay is not None and not self._ema_pairs():  # the averages: one more copy of the weights
+            state = {**state, "optimizer": state["optimizer"] + state["parameters"]}
         capacity = self.backend.device_memory or rt.memory_capacity()
         self.memory_plan = plan = perf.MemoryPlan(
             parameters=state["parameters"], gradients=state["gradients"], optimizer=state["optimizer"],
@@ -662,14 +678,17 @@ class Trainer:
         prefixes = ["train_"] + (["val_"] if val_data is not None else [])
         columns = {f"{p}{t}" for p in prefixes for t in ("loss", *self._term_names)}
         if val_data is not None and self.task == "classification":
-            columns.add("val_accuracy")
+            columns |= {"val_accuracy", *(f"val_top{k}_accuracy" for k in self.config.top_k)}
         if val_data is not None and self.task == "multilabel":
             columns.add("val_mean_auc")
             columns |= {f"val_auc_{name}" for name in self.label_names or ()}
+        if self.config.ema_decay is not None:  # the EMA weights are scored as the live ones are
+            columns |= {"val_ema_" + c.removeprefix("val_") for c in columns if c.startswith("val_")}
         columns |= {"lr", "epoch_time_s"} | ({"input_bound_share"} if self.config.diagnostics else set())
         unknowable = val_data is not None and (
             (self.metrics_fn is not None and self.monitor.startswith("val_"))
-            or (self.task == "multilabel" and self.label_names is None and self.monitor.startswith("val_auc_"))
+            or (self.task == "multilabel" and self.label_names is None
+                and self.monitor.startswith(("val_auc_", "val_ema_auc_")))
         )
         if self.monitor not in columns and not unknowable:
             raise ValueError(
@@ -740,6 +759,49 @@ class Trainer:
         rate = (ran - first_step) * self.global_batch_size / max(time.perf_counter() - started, 1e-9)
         figures = self.throughput.figures(rate) if self.throughput is not None else {}
         return {**row, "samples_per_s": round(rate, 2), **{k: float(f"{v:.4g}") for k, v in figures.items()}}
+
+    # --- the exponential moving average of the weights (ema_decay) ---------------------------
+    def _ema_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(parameter, its average) for every parameter the optimizer trains that has one."""
+        state = self.optimizer.state
+        return [(p, state[p][EMA_KEY]) for group in self.optimizer.param_groups for p in group["params"]
+                if EMA_KEY in state.get(p, {})]
+
+    @torch.no_grad()
+    def _ema_update(self) -> None:
+        """``ema = decay * ema + (1 - decay) * weights`` on the device; the first update copies the
+        weights (as torchvision's ``AveragedModel`` does).
+
+        The averages live in the optimizer's state (key ``xlatrain_ema``), beside its moments: they
+        are sharded as the parameters are, counted in the memory plan as optimizer state, and
+        saved and restored with it by every strategy's checkpoint. The first update runs after the
+        first optimizer step, once an optimizer that builds its state at its first step has.
+        """
+        state = self.optimizer.state
+        if not self._ema_ready:
+            for group in self.optimizer.param_groups:
+                for p in group["params"]:
+                    if EMA_KEY not in state[p]:
+                        state[p][EMA_KEY] = p.detach().clone()
+            self._ema_ready = True
+            return
+        pairs = self._ema_pairs()
+        torch._foreach_lerp_([e for _, e in pairs], [p.detach() for p, _ in pairs], 1.0 - self.config.ema_decay)
+
+    @contextlib.contextmanager
+    def _ema_weights(self) -> Iterator[None]:
+        """The model holds the EMA weights inside (buffers stay the live model's), its own after."""
+        pairs = self._ema_pairs()
+        with torch.no_grad():
+            live = [p.detach().clone() for p, _ in pairs]
+            for p, e in pairs:
+                p.detach().copy_(e)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for (p, _), saved in zip(pairs, live):
+                    p.detach().copy_(saved)
 
     def _note_sampler_length(self, feed: _TrainFeed) -> None:
         """A user's sampler whose length is not what it gives: the steps come from what it gives."""
@@ -815,6 +877,8 @@ class Trainer:
             if self.scheduler is not None and cfg.scheduler_interval == "step":
                 self.scheduler.step()
             cursor.global_step += 1
+            if cfg.ema_decay is not None and (cursor.global_step % cfg.ema_every == 0 or not self._ema_ready):
+                self._ema_update()
         for name, value in (("loss", loss), *((f"term.{t}", v.detach().float()) for t, v in terms.items())):
             sums[name] = sums[name] + (torch.where(finite, value, 0.0) if guard else value)
         sums["nonfinite"] = sums["nonfinite"] + (~finite).float()
@@ -1085,7 +1149,9 @@ class Trainer:
             cursor.best, cursor.best_epoch = value, row["epoch"]
             if self.config.save_best:
                 # Under a sharded strategy the weights are gathered onto the main process here.
-                with _writing(self.run_dir / "best.safetensors"):
+                # A monitored EMA column makes the EMA weights the best ones.
+                ema = self._ema_weights() if monitor.startswith("val_ema_") else contextlib.nullcontext()
+                with ema, _writing(self.run_dir / "best.safetensors"):
                     self.save_weights(self.run_dir / "best.safetensors")
         return improved
 
@@ -1345,7 +1411,7 @@ def _check_task(task: str, outputs: Any, targets: Any, top_k: Sequence[int] = ()
     if task == "classification":
         ok = isinstance(outputs, torch.Tensor) and isinstance(targets, torch.Tensor) and outputs.dim() == 2 and (
             (targets.dim() == 1 and not targets.is_floating_point() and targets.shape[0] == outputs.shape[0])
-            or (targets.is_floating_point() and targets.shape == outputs.shape)  # class probabilities
+            or (targets.is_floating_point() and targets.shape == outputs.shape and outputs.shape[1] > 1)  # probabilities
         )
         if not ok:
             raise ValueError(
