@@ -14,7 +14,7 @@ ACCELERATORS = ("auto", "tpu", "xla", "cuda", "cpu")
 TPU_RUNTIMES = ("auto", "torch_tpu", "torch_xla")
 XLA_MODES = ("spmd", "multiprocess")
 STRATEGIES = ("auto", "single", "ddp", "fsdp")
-PRECISIONS = ("32", "bf16")
+PRECISIONS = ("32", "bf16", "fp16")
 TASKS = ("auto", "classification", "multilabel", "none")
 MONITOR_MODES = ("max", "min")
 SCHEDULER_INTERVALS = ("epoch", "step")
@@ -145,7 +145,9 @@ class TrainConfig:
             data-parallel devices and is reported at start.
         eval_batch_size: per-device batch for evaluation and prediction (default: batch_size).
         scale_lr: multiply every learning rate by the number of devices (linear scaling rule).
-        precision: ``"32"`` or ``"bf16"`` (autocast; weights and optimizer state stay float32).
+        precision: ``"32"``, ``"bf16"`` (autocast; weights and optimizer state stay float32) or
+            ``"fp16"`` (autocast to float16 with a gradient scaler, for GPUs without bfloat16:
+            T4, V100, P100; CUDA and CPU only).
         grad_accum_steps: micro-batches per optimizer step.
         clip_grad_norm: clip the global gradient norm to this value; ``None`` disables clipping.
         log_every: steps between progress lines; the only per-step-interval host reads.

@@ -229,3 +229,22 @@ def test_dropout_masks_depend_on_the_step_not_on_how_often_the_host_synced(tmp_p
         for every in ("0", "3")
     ]
     assert losses[0] == losses[1]
+
+
+FP16 = """
+import functools, torch
+from torch import nn
+import xlatrain
+try:
+    xlatrain.Trainer(nn.Linear(4, 2), nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1),
+                     config=xlatrain.TrainConfig(precision="fp16"), accelerator="xla", devices=2)
+except ValueError as exc:
+    print("REFUSED", exc)
+"""
+
+
+@pytest.mark.xla
+def test_fp16_is_refused_on_xla_with_bf16_named(tmp_path):
+    env = {"PJRT_DEVICE": "CPU", "PATH": "/usr/bin:/bin", "XLATRAIN_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", FP16], capture_output=True, text=True, timeout=180, env=env)
+    assert "REFUSED precision='fp16'" in out.stdout and "use precision='bf16'" in out.stdout, out.stderr[-3000:]

@@ -354,3 +354,39 @@ def test_monitoring_an_ema_column_makes_the_best_weights_the_ema(tmp_path):
     assert all(torch.equal(best[k], ema[k]) for k in ema)
     with pytest.raises(ValueError, match="ema_decay=1.5 is not valid"):
         TrainConfig(ema_decay=1.5)
+
+
+# --- float16 with a gradient scaler ------------------------------------------------------------
+
+def _fp16_trainer(tmp_path, name, epochs, precision="fp16"):
+    # A summed loss: its gradients, times the scaler's first scale (65536), overflow float16.
+    return Trainer(
+        _model(), nn.CrossEntropyLoss(reduction="sum"), functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9),
+        config=TrainConfig(epochs=epochs, batch_size=BATCH, run_dir=str(tmp_path / name), log_every=1000,
+                           precision=precision, tensorboard=False),
+        backend="cpu",
+    )
+
+
+def test_fp16_scales_the_loss_skips_overflowed_steps_and_resumes_with_its_scale(tmp_path):
+    import json
+
+    trainer = _fp16_trainer(tmp_path, "whole", 2)
+    history = trainer.fit(_data(), _data(16, seed=1))
+    fp32 = _fp16_trainer(tmp_path, "fp32", 2, precision="32").fit(_data(), _data(16, seed=1))
+    # Computed in float16 (not the float32 run's numbers), trained all the same, weights float32.
+    assert history[0]["train_loss"] != fp32[0]["train_loss"]
+    assert history[-1]["train_loss"] < history[0]["train_loss"]
+    assert {p.dtype for p in trainer.model.parameters()} == {torch.float32}
+    # The scaler ran: the first steps' scaled gradients overflowed float16, so it lowered its
+    # scale from 65536 (a float32 loop would never skip them) and saved it with the checkpoint.
+    scale = trainer.grad_scaler.get_scale()
+    assert scale < 65536.0
+    saved = json.loads((tmp_path / "whole" / "checkpoints" / "step-00000012" / "meta.json").read_text())
+    assert saved["grad_scaler"]["scale"] == scale
+    # Stopped after epoch 1 and resumed: the scale comes back, and epoch 2 is the same.
+    _fp16_trainer(tmp_path, "split", 1).fit(_data(), _data(16, seed=1))
+    resumed = _fp16_trainer(tmp_path, "split", 2)
+    again = resumed.fit(_data(), _data(16, seed=1))
+    assert again[-1]["train_loss"] == history[-1]["train_loss"]
+    assert resumed.grad_scaler.get_scale() == scale

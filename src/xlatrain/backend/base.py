@@ -39,6 +39,8 @@ class Runtime(Protocol):
     platform: str
     trace_kind: str  # the profiler that traces it: "torch" (torch.profiler) or "xla" (torch_xla's)
     autocast_device: str  # torch.autocast's device_type for this device
+    # float16 autocast with torch.amp.GradScaler runs here (CUDA, CPU); TPUs compute in bfloat16.
+    fp16: bool
     pin_memory: bool  # host batches pinned for asynchronous copies
     planned_reads: int  # host reads made so far through defer/read (diagnostics count the others)
     # The runtime's compile/transfer counters for diagnostics (torch_xla's metrics), or None.

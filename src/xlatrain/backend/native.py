@@ -52,6 +52,7 @@ class NativeRuntime:
         self.kind = device_type
         self.platform = device_type
         self.autocast_device = device_type
+        self.fp16 = device_type in ("cuda", "cpu")
         self.pin_memory = device_type == "cuda"
         self.planned_reads = 0
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))

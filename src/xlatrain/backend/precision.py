@@ -1,7 +1,10 @@
 """Numeric precision of a run, in one place: autocast for the forward pass and the loss, and the
 dtypes a sharding strategy keeps its gathered parameters and reduces its gradients in.
 
-``"32"``: float32 throughout. ``"bf16"``: the forward pass and the loss run under autocast to
+``"32"``: float32 throughout. ``"fp16"``: autocast to float16 with a gradient scaler (the
+loss scaled up before backward, gradients unscaled before clipping, a step with an overflow
+skipped and the scale lowered), for GPUs without bfloat16 (T4, V100, P100); weights, gradients
+and optimizer state stay float32. ``"bf16"``: the forward pass and the loss run under autocast to
 bfloat16 (matmuls and convolutions in bfloat16, reductions and the loss in float32); weights,
 gradients and optimizer state stay float32. Under FSDP the parameters are also gathered in
 bfloat16 (half the traffic and the memory of the gathered copy) while gradients are reduced in
@@ -19,13 +22,14 @@ import torch
 
 @dataclass(frozen=True)
 class Precision:
-    name: str  # "32" or "bf16"
+    name: str  # "32", "bf16" or "fp16"
     autocast_device: str  # torch.autocast's device_type (the runtime's)
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """Mixed-precision context for forward + loss (``"32"``: none)."""
-        if self.name == "bf16":
-            return torch.autocast(device_type=self.autocast_device, dtype=torch.bfloat16)
+        if self.name in ("bf16", "fp16"):
+            dtype = torch.bfloat16 if self.name == "bf16" else torch.float16
+            return torch.autocast(device_type=self.autocast_device, dtype=dtype)
         return contextlib.nullcontext()
 
     @property

@@ -98,6 +98,7 @@ class XlaRuntime:
     kind = "xla"
     trace_kind = "xla"
     autocast_device = "xla"
+    fp16 = False
     pin_memory = False
 
     def __init__(

@@ -232,6 +232,19 @@ class Trainer:
         self.backend = backend
         self.runtime, self.strategy = rt, st = backend.runtime, backend.strategy
         self.precision = Precision(cfg.precision, rt.autocast_device)
+        if cfg.precision == "fp16" and not rt.fp16:
+            raise ValueError(
+                f"precision='fp16' needs float16 autocast with a gradient scaler, which {rt.describe()} does not run: "
+                "TPUs compute in bfloat16, so use precision='bf16' (no scaler needed)"
+            )
+        if cfg.precision == "fp16" and st.sharded_state:
+            raise ValueError(
+                f"precision='fp16' under strategy={st.name!r} is not supported: its gradients are sharded, which "
+                "torch.amp.GradScaler does not unscale. Use precision='bf16' where the GPU has bfloat16 (A100, L4, "
+                "H100 and later), or strategy='ddp'"
+            )
+        # float16's gradient scaler (torch.amp.GradScaler), whose state is saved in checkpoints.
+        self.grad_scaler = torch.amp.GradScaler(rt.device.type) if cfg.precision == "fp16" else None
         self.task = infer_task(loss_fn) if cfg.task == "auto" else cfg.task
         monitor, mode = default_monitor(self.task)
         self.monitor = cfg.monitor or monitor
@@ -859,7 +872,8 @@ class Trainer:
                     "grad_fn), so nothing can be trained: it was detached, turned into a number (.item(), float()) "
                     "and back, or computed from the targets alone. Return the loss tensor computed from the outputs"
                 )
-            (loss / accum if accum > 1 else loss).backward()
+            loss_to_step = loss / accum if accum > 1 else loss
+            (self.grad_scaler.scale(loss_to_step) if self.grad_scaler is not None else loss_to_step).backward()
         if list(terms) != self._term_names:
             raise ValueError(
                 f"loss_fn returned the terms {list(terms)} at epoch {cursor.epoch} step {step} but "
@@ -869,10 +883,22 @@ class Trainer:
         finite = torch.isfinite(loss)
         if last_micro:
             st.reduce_gradients(opt)
+            scaler = self.grad_scaler
+            if scaler is not None:
+                scaler.unscale_(opt)  # clipping sees the true gradients
             if guard or cfg.clip_grad_norm is not None:
                 norm = st.clip_grad_norm(model, cfg.clip_grad_norm or math.inf)
-                finite = finite & torch.isfinite(norm)
-            st.optimizer_step(opt, finite if guard else None)
+                if scaler is None:  # under fp16 an overflow is the scaler's to skip, not a fault
+                    finite = finite & torch.isfinite(norm)
+            if scaler is not None:
+                # The scaler skips a step whose gradients overflowed (and a NaN loss's), then
+                # lowers its scale. Unless the optimizer is fused, it reads on the host whether
+                # they did: a planned read, once per optimizer step, as every fp16 loop has it.
+                with rt.planned_transfers():
+                    scaler.step(opt)
+                scaler.update()
+            else:
+                st.optimizer_step(opt, finite if guard else None)
             opt.zero_grad(set_to_none=True)
             if self.scheduler is not None and cfg.scheduler_interval == "step":
                 self.scheduler.step()
@@ -969,6 +995,8 @@ class Trainer:
             weights, optim_state = unpack_whole(tensors, meta)
             st.load_whole(self.model, self.optimizer, weights, optim_state)
         cursor, per_process_sums, rng = unpack_meta(meta, self.scheduler)
+        if self.grad_scaler is not None and "grad_scaler" in meta:
+            self.grad_scaler.load_state_dict(meta["grad_scaler"])
         if cursor.epoch_done and cursor.best_epoch == cursor.epoch:
             cursor.best_checkpoint = path.name  # saved right after the best epoch: this one
         # What all_reduce_mean(sums["loss"]) reads at the first log interval, known here without a read.
@@ -1079,6 +1107,8 @@ class Trainer:
             scheduler=self.scheduler, cursor=cursor, sums_per_process=[p["sums"] for p in per_process],
             rng_states=[p["rng"] for p in per_process], config=self._config_record,
         )
+        if self.grad_scaler is not None:  # its scale and growth count (a read of one number)
+            meta["grad_scaler"] = self.grad_scaler.state_dict()
         root = self.run_dir / "checkpoints"
         if st.sharded_state:
             # Every process writes its own part; nothing is gathered onto one of them.
