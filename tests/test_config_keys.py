@@ -52,6 +52,9 @@ ELSEWHERE = {
     "trainer.ema_every": (
         "train/test_user_data_and_callbacks.py",
         "test_the_ema_is_what_its_formula_gives_is_scored_beside_the_model_and_survives_resume"),
+    "trainer.channels_last": (
+        "train/test_user_data_and_callbacks.py",
+        "test_channels_last_puts_the_model_and_the_image_batches_in_that_memory_order"),
     "trainer.early_stop_patience": (
         "train/test_pipelines.py", "test_early_stopping_stops_at_the_expected_epoch_and_a_rerun_trains_nothing"),
     "trainer.save_best": ("train/test_pipelines.py", "test_save_best_false_writes_no_best_weights"),

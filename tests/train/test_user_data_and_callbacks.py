@@ -390,3 +390,54 @@ def test_fp16_scales_the_loss_skips_overflowed_steps_and_resumes_with_its_scale(
     again = resumed.fit(_data(), _data(16, seed=1))
     assert again[-1]["train_loss"] == history[-1]["train_loss"]
     assert resumed.grad_scaler.get_scale() == scale
+
+
+# --- batches on the device: a user's transform, channels-last memory order ---------------------
+
+def test_batch_transform_reaches_every_batch_on_the_device(tmp_path):
+    calls = []
+
+    def double(batch):  # normalisation on the accelerator
+        calls.append(batch[0].device.type)
+        return batch[0] * 2, batch[1]
+
+    data, val = _data(), _data(16, seed=1)
+    moved = TensorDataset(data.tensors[0] * 2, data.tensors[1])
+    moved_val = TensorDataset(val.tensors[0] * 2, val.tensors[1])
+    trainer = _trainer(tmp_path, "t", batch_transform=double)
+    history = trainer.fit(data, val)
+    plain = _trainer(tmp_path, "p")
+    expected = plain.fit(moved, moved_val)
+    for a, b in zip(history, expected):
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-6)
+        assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-6)
+    assert torch.allclose(trainer.predict(val), plain.predict(moved_val), rtol=1e-6, atol=1e-7)
+    assert set(calls) == {"cpu"} and len(calls) > 2 * (N // BATCH)
+
+
+class Probe(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.head = nn.Linear(4, CLASSES)
+        self.formats = set()
+
+    def forward(self, x):
+        self.formats.add(x.is_contiguous(memory_format=torch.channels_last))
+        return self.head(self.conv(x).mean(dim=(2, 3)))
+
+
+def test_channels_last_puts_the_model_and_the_image_batches_in_that_memory_order(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    images = TensorDataset(torch.randn(32, 3, 8, 8, generator=g), torch.randint(0, CLASSES, (32,), generator=g))
+    runs = {}
+    for fmt in (False, True):
+        model = Probe()
+        trainer = Trainer(model, nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1),
+                          config=TrainConfig(epochs=1, batch_size=8, run_dir=str(tmp_path / str(fmt)), channels_last=fmt,
+                                             tensorboard=False), backend="cpu")
+        runs[fmt] = trainer.fit(images, images)
+        assert model.formats == {fmt}
+        assert model.conv.weight.is_contiguous(memory_format=torch.channels_last) == fmt
+    assert runs[True][0]["train_loss"] == pytest.approx(runs[False][0]["train_loss"], rel=1e-5)

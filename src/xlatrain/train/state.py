@@ -186,6 +186,7 @@ RESUME_RULES: dict[str, str] = {
     "trainer.top_k": "continue",  # columns added or left out from here on
     "trainer.ema_decay": "continue",  # the average goes on with the new decay (or starts here)
     "trainer.ema_every": "continue",
+    "trainer.channels_last": "continue",  # a memory order: the same numbers
     "trainer.monitor": "error",
     "trainer.monitor_mode": "error",
     "trainer.scheduler_interval": "error",

@@ -154,6 +154,10 @@ class Trainer:
             (split over them as the Trainer's own order), or a factory ``sampler(dataset,
             num_replicas=N, rank=r)`` building each process's own (``DistributedSampler``,
             repeated augmentation). See :class:`~xlatrain.data.sampling.UserSampler`.
+        batch_transform: ``batch_transform(batch) -> batch`` on each batch once it is on the device
+            (training, evaluation, prediction, the dry run): normalisation or augmentation on the
+            accelerator, a memory format. It receives the batch as the dataset's items stack
+            (``(inputs, targets)`` by default); under XLA it is traced into the step.
         callbacks: objects with any of ``on_fit_start``, ``on_interval``, ``on_epoch_end``,
             ``on_checkpoint``, ``on_fit_end``; see :mod:`xlatrain.train.callbacks`.
         run_config: the resolved config of a config-driven run (``xlatrain fit``: sections
@@ -197,6 +201,7 @@ class Trainer:
         collate_fn: Callable[[list[Any]], Any] | None = None,
         sampler: Any = None,
         callbacks: Sequence[Any] | None = None,
+        batch_transform: Callable[[Any], Any] | None = None,
     ) -> None:
         ensure_console()  # messages from here on (scale_lr, resume) reach a console
         _check_arguments(model, loss_fn, optimizer_fn, scheduler_fn, config, checkpoint, metrics_fn)
@@ -211,6 +216,12 @@ class Trainer:
                 "sampler(dataset, num_replicas=..., rank=...) building one"
             )
         self._collate = collate_fn or collate
+        if batch_transform is not None and not callable(batch_transform):
+            raise TypeError(
+                f"batch_transform={batch_transform!r} is not callable: give a function of a batch on the device that "
+                "returns the batch, e.g. lambda b: (normalize(b[0]), b[1])"
+            )
+        self._batch_transform = batch_transform
         self._sampler = sampler
         self._callbacks = Callbacks(callbacks)
         self._stop_reason: str | None = None
@@ -256,6 +267,8 @@ class Trainer:
         self._run_config = {k: v for k, v in (run_config or {}).items() if k not in ("trainer", "checkpoint")}
         if has_meta_tensors(model):
             rt.seed_everything(cfg.seed)  # the weights drawn on the devices depend on the seed only
+        if cfg.channels_last:
+            model = model.to(memory_format=torch.channels_last)
         self.model = st.prepare_model(model, self.precision, init_weights)
         # Training and evaluation run through this; under torch.compile each mode (train with
         # gradients, eval without) gets its own graph.
@@ -515,7 +528,7 @@ class Trainer:
         self.model.eval()
         with torch.no_grad():
             for batch, valid_B in batches:
-                args, targets = self.layout.split(batch)
+                args, targets = self.layout.split(self._on_device(batch))
                 with self.precision.autocast():
                     outputs = self._forward(*args)
                 outputs = as_float(outputs)
@@ -537,7 +550,7 @@ class Trainer:
         with torch.no_grad():
             for item, _valid in batches:
                 with self.precision.autocast():
-                    rows.add(as_float(self._forward(*self.layout.model_args(item))))
+                    rows.add(as_float(self._forward(*self.layout.model_args(self._on_device(item)))))
                 self.runtime.step_end()
         return rows.result()
 
@@ -570,7 +583,7 @@ class Trainer:
                     device = self.runtime.device
                     host_batch = _first_batch(data, collate_fn=self._collate if role == "training" else collate)
                     batch = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, host_batch)
-                    args, targets = self.layout.split(batch)
+                    args, targets = self.layout.split(self._on_device(batch))
                     _check_class_targets(self.loss_fn, self.layout.split(host_batch)[1])
                     with self.precision.autocast():
                         outputs = model(*args)
@@ -612,7 +625,8 @@ class Trainer:
         def loss_of(precision: Precision) -> Callable[[int], torch.Tensor]:
             def run(n: int) -> torch.Tensor:
                 host = _first_batch(train_data, rows=n, collate_fn=self._collate)
-                args, targets = self.layout.split(tree_map(lambda t: t.to(rt.device) if isinstance(t, torch.Tensor) else t, host))
+                args, targets = self.layout.split(
+                    self._on_device(tree_map(lambda t: t.to(rt.device) if isinstance(t, torch.Tensor) else t, host)))
                 with precision.autocast():
                     return loss_terms(self.loss_fn(module(*args), targets))[0]
             return run
@@ -773,6 +787,13 @@ class Trainer:
         figures = self.throughput.figures(rate) if self.throughput is not None else {}
         return {**row, "samples_per_s": round(rate, 2), **{k: float(f"{v:.4g}") for k, v in figures.items()}}
 
+    def _on_device(self, batch: Any) -> Any:
+        """A batch on the device as the model gets it: images in channels-last memory order
+        (``channels_last``), then the user's ``batch_transform``."""
+        if self.config.channels_last:
+            batch = tree_map(_channels_last, batch)
+        return self._batch_transform(batch) if self._batch_transform is not None else batch
+
     # --- the exponential moving average of the weights (ema_decay) ---------------------------
     def _ema_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(parameter, its average) for every parameter the optimizer trains that has one."""
@@ -858,7 +879,7 @@ class Trainer:
         """
         cfg, rt, st, model, opt = self.config, self.runtime, self.strategy, self.model, self.optimizer
         accum, guard = cfg.grad_accum_steps, cfg.nan_policy == "skip_step"
-        args, targets = self.layout.split(batch)
+        args, targets = self.layout.split(self._on_device(batch))
         rt.step_begin(((cfg.seed * 1_000_003 + cursor.epoch) * 1_000_003 + step) % 2**62)
         with contextlib.nullcontext() if last_micro else st.no_sync(model), _in_step(self, cursor, step) as where:
             with self.precision.autocast():
@@ -1366,6 +1387,13 @@ def _check_class_outputs(loss_fn: Any, outputs: Any, targets: Any) -> None:
             f"give the model's last layer one output per class (num_outputs), or map the labels to 0..{classes - 1} "
             "in the dataset"
         )
+
+
+def _channels_last(t: Any) -> Any:
+    """A 4-D floating tensor (images, N x C x H x W) in channels-last memory order; others as they are."""
+    if isinstance(t, torch.Tensor) and t.dim() == 4 and t.is_floating_point():
+        return t.contiguous(memory_format=torch.channels_last)
+    return t
 
 
 def _first_batch(data: Any, rows: int = 2, collate_fn: Callable[[list[Any]], Any] = collate) -> Any:
