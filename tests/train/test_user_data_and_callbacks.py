@@ -441,3 +441,24 @@ def test_channels_last_puts_the_model_and_the_image_batches_in_that_memory_order
         assert model.formats == {fmt}
         assert model.conv.weight.is_contiguous(memory_format=torch.channels_last) == fmt
     assert runs[True][0]["train_loss"] == pytest.approx(runs[False][0]["train_loss"], rel=1e-5)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_every_process_makes_the_same_host_reads(tmp_path, strategy):
+    # On TorchTPU a host read made by some processes and not others deadlocks the mesh: each read
+    # the Trainer plans (progress, epoch sums, checkpoints, best weights, EMA, evaluation,
+    # prediction) is made on every process, in the same order.
+    import json
+    import shutil
+    import sys
+    from pathlib import Path
+
+    from conftest import SCRIPTS, run_command
+
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    run_command([torchrun, "--nproc-per-node", "2", "--master-port", "0", "--standalone",
+                 str(SCRIPTS / "reads_per_rank.py"), str(tmp_path), strategy], timeout=300)
+    reads = [json.loads((tmp_path / f"reads-{rank}.json").read_text()) for rank in (0, 1)]
+    assert len(reads[0]) > 20 and any("defer" in r for r in reads[0])
+    assert reads[0] == reads[1]

@@ -255,12 +255,19 @@ def checkpoint_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer) 
 
 
 def whole_weights_read(
-    module: torch.nn.Module, read: Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]
-) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Distinct weights on the host through the runtime's ``read`` (one planned sync)."""
+    module: torch.nn.Module, read: Callable[[Sequence[torch.Tensor]], list[torch.Tensor]], is_main: bool = True
+) -> tuple[dict[str, torch.Tensor], dict[str, str]] | None:
+    """Distinct weights on the host through the runtime's ``read`` (one planned sync), for the
+    main process (``None`` elsewhere).
+
+    Every process reads, though only the main one keeps them: a host read made on some processes
+    and not on others stalls a TorchTPU mesh (and a torch_xla job whose pending graph holds a
+    collective), where each process must flush the same work.
+    """
     from xlatrain.checkpoint import weights_to_host
 
-    return weights_to_host(module, read)
+    weights = weights_to_host(module, read)
+    return weights if is_main else None
 
 
 # --- sharded state through DCP --------------------------------------------------------------

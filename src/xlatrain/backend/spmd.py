@@ -127,7 +127,7 @@ class Spmd(XlaStrategy):
         self, model: torch.nn.Module, read: Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]
     ) -> tuple[dict[str, torch.Tensor], dict[str, str]] | None:
         # Reading a sharded tensor assembles it on the host from every device's shard.
-        return model_state.whole_weights_read(model, read) if self.is_main else None
+        return model_state.whole_weights_read(model, read, self.is_main)
 
     def save_sharded(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         import torch_xla

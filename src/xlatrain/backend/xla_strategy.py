@@ -108,7 +108,7 @@ class XlaStrategy:
     def whole_weights(
         self, model: torch.nn.Module, read: Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]
     ) -> tuple[dict[str, torch.Tensor], dict[str, str]] | None:
-        return model_state.whole_weights_read(model, read) if self.is_main else None
+        return model_state.whole_weights_read(model, read, self.is_main)
 
     def load_whole(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, weights: dict[str, torch.Tensor],

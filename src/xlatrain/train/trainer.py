@@ -1139,11 +1139,13 @@ class Trainer:
                     root, cursor.global_step, meta,
                     lambda directory: sharded_extra(st.save_sharded(directory, self.model, self.optimizer)), st,
                 )
-        elif st.is_main:
-            tensors, whole = pack_whole(st.unwrap(self.model), self.optimizer, rt.read)
-            path = write_checkpoint(root, cursor.global_step, tensors, {**meta, **whole})
         else:
-            return None
+            # Every process reads the state (a read on some processes only stalls a TorchTPU
+            # mesh); the main one writes it.
+            tensors, whole = pack_whole(st.unwrap(self.model), self.optimizer, rt.read)
+            if not st.is_main:
+                return None
+            path = write_checkpoint(root, cursor.global_step, tensors, {**meta, **whole})
         if cursor.epoch_done and cursor.best_epoch == cursor.epoch:
             cursor.best_checkpoint = path.name
         if st.is_main:
