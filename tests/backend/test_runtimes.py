@@ -8,7 +8,7 @@ import pytest
 from xlatrain import BackendUnavailableError, select_backend
 from xlatrain.backend.runtimes import TpuRuntimes, choose
 
-NOTHING = TpuRuntimes(tpu_chips=0, torch_tpu_version=None, torch_tpu_devices=0, torch_tpu_autoload_off=False,
+NOTHING = TpuRuntimes(tpu_chips=0, torch_tpu_version=None, torch_tpu_other=None, torch_tpu_devices=0, torch_tpu_autoload_off=False,
                       torch_xla_version=None, pjrt_device=None)
 
 
@@ -104,3 +104,60 @@ print("SEEN", seen.get("at_torch_import"))
     assert line, out.stdout + out.stderr
     assert f"'TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT': '{tmp_path / 'torch_tpu'}'" in line[0]
     assert "'TORCH_TPU_TIER2_COMPILATION_CACHE': 'xlatrain'" in line[0]
+
+
+# --- TorchTPU told apart from another project's torch_tpu; its eager mode and matmul precision ---
+
+def test_a_torch_tpu_that_is_not_googles_is_never_chosen_and_a_forced_one_is_refused_by_name():
+    other = "distribution torch_tpu 1.0, https://github.com/sophgo/tpu-train"
+    found = _found(tpu_chips=0, torch_tpu_version="1.0", torch_tpu_devices=1, torch_tpu_other=other)
+    assert choose(found, "auto") is None
+    with pytest.raises(BackendUnavailableError, match="is not Google's TorchTPU .*sophgo.*Uninstall it"):
+        choose(found, "torch_tpu")
+
+
+def test_the_installed_torch_tpu_is_recognised_as_googles_by_its_metadata_and_a_look_alike_is_not(tmp_path):
+    from xlatrain.backend.runtimes import torch_tpu_origin
+
+    assert torch_tpu_origin() is None  # the TorchTPU wheel in this environment
+    # Another project's package under the same import name, first on the path.
+    (tmp_path / "torch_tpu").mkdir()
+    (tmp_path / "torch_tpu" / "__init__.py").write_text("")
+    info = tmp_path / "torch_tpu-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torch_tpu\nVersion: 1.0\n"
+                                   "Home-page: https://github.com/sophgo/tpu-train\nAuthor: sophgo\n")
+    (info / "top_level.txt").write_text("torch_tpu\n")
+    code = ("from xlatrain.backend.runtimes import probe\nfound = probe()\n"
+            "print('OTHER', found.torch_tpu_other)\nprint('DESCRIBE', found.describe())")
+    env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path), "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert "OTHER distribution torch_tpu 1.0, https://github.com/sophgo/tpu-train" in out.stdout, out.stderr[-2000:]
+    assert "not Google's TorchTPU" in out.stdout
+
+
+def test_torch_tpu_notes_name_the_eager_mode_and_the_matmul_precision_with_the_setting_to_change():
+    from xlatrain.backend.runtimes import torch_tpu_mode_from_env, torch_tpu_notes
+
+    assert torch_tpu_mode_from_env({}) == "DEFER_NEVER"
+    assert torch_tpu_mode_from_env({"TORCH_TPU_DEFER_AND_FUSE": "1"}) == "DEFER_AND_FUSE"
+    assert torch_tpu_mode_from_env({"TORCH_TPU_DEFER_AND_FUSE": "1", "TORCH_TPU_LAUNCH_BLOCKING": "1"}) == \
+        "DEFER_NEVER_AND_LAUNCH_BLOCKING"
+    strict, precision = torch_tpu_notes("DEFER_NEVER", "medium")
+    assert "Strict" in strict and "torch.tpu.EagerMode.DEFER_AND_FUSE" in strict and "compile=True" in strict
+    assert "bfloat16 precision" in precision and "set_float32_matmul_precision('highest')" in precision
+    fused = torch_tpu_notes("DEFER_AND_FUSE", "highest")
+    assert fused[0] == "TorchTPU eager mode Fused (DEFER_AND_FUSE)" and "bfloat16" not in fused[1]
+    assert "unset TORCH_TPU_LAUNCH_BLOCKING" in torch_tpu_notes("DEFER_NEVER_AND_LAUNCH_BLOCKING", None)[0]
+    assert len(torch_tpu_notes("DEFER_NEVER", None, compiled=True)) == 1  # compiled: no advice to fuse
+
+
+def test_the_doctor_names_debug_mode_and_a_look_alike_package():
+    from xlatrain.diagnostics.doctor import torch_tpu_findings
+
+    assert torch_tpu_findings({}, installed=True) == []
+    (debug,) = torch_tpu_findings({"TORCH_TPU_LAUNCH_BLOCKING": "1"}, installed=True)
+    assert debug.severity == "warning" and "unset TORCH_TPU_LAUNCH_BLOCKING" in debug.fix
+    (other,) = torch_tpu_findings({}, installed=True, origin="distribution torch_tpu 1.0, https://example.org")
+    assert other.severity == "error" and "not Google's TorchTPU" in other.title
+    assert torch_tpu_findings({}, installed=False) == []

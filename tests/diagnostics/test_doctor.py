@@ -362,6 +362,12 @@ def test_torch_tpu_on_a_tpu_host_with_vfio_is_usable(base_env, tmp_path):
     registered = torch_tpu_probe(privateuse1="tpu", count=4, warnings=(), baseline_s=None)
     report = collect(base_env, probe=registered, pci_root=root, vfio_root=vfio_root, versions=CURRENT)
     assert codes(report) == [] and report.exit_code(strict=True) == 0
+    # The eager mode TorchTPU starts in: Strict by default, with the settings for Fused.
+    mode = rows(report)["TorchTPU eager mode"].value
+    assert mode.startswith("Strict (DEFER_NEVER)") and "TORCH_TPU_DEFER_AND_FUSE=1" in mode and "'highest'" in mode
+    fused = collect(dict(base_env, TORCH_TPU_DEFER_AND_FUSE="1"), probe=registered, pci_root=root,
+                    vfio_root=vfio_root, versions=CURRENT)
+    assert rows(fused)["TorchTPU eager mode"].value.startswith("Fused (DEFER_AND_FUSE)") and codes(fused) == []
     assert (runtime(report, "TorchTPU").runs_here, runtime(report, "TorchTPU").why) == (
         True, "4 TPU device(s) registered at import torch")
     assert rows(report)["TorchTPU device"].value == "tpu registered, 4 device(s) (torch.accelerator)"

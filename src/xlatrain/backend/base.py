@@ -50,6 +50,11 @@ class Runtime(Protocol):
         """Runtime and device kind, for the run header."""
         ...
 
+    def notes(self, compiled: bool) -> list[str]:
+        """What the run header should say about this runtime's settings (TorchTPU: its eager
+        mode and float32 matmul precision)."""
+        ...
+
     def compile(self, model: torch.nn.Module) -> torch.nn.Module:
         """``model`` under this device's ``torch.compile`` backend (a ValueError where it has none)."""
         ...

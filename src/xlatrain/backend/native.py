@@ -74,6 +74,14 @@ class NativeRuntime:
         )()
         return f"{self.kind} ({where})"
 
+    def notes(self, compiled: bool) -> list[str]:
+        if self.kind != "tpu":
+            return []
+        from xlatrain.backend.runtimes import torch_tpu_notes
+
+        mode = getattr(torch.tpu.eager_mode, "name", str(torch.tpu.eager_mode))  # type: ignore[attr-defined]
+        return torch_tpu_notes(mode, torch.get_float32_matmul_precision(), compiled)
+
     def compile(self, model: torch.nn.Module) -> torch.nn.Module:
         """``model`` under ``torch.compile`` with this device's compiler (TorchTPU: backend "tpu")."""
         return torch.compile(model, **COMPILE[self.kind])

@@ -30,6 +30,10 @@ class TpuRuntimes:
 
     tpu_chips: int  # TPU chips on the PCI bus
     torch_tpu_version: str | None  # None: not installed
+    # Where the installed ``torch_tpu`` comes from (its distribution's name and home page), where
+    # that is not Google's TorchTPU: another project (for Sophgo chips) installs a module of the
+    # same name with a ``tpu`` device. None: Google's, or not installed.
+    torch_tpu_other: str | None
     torch_tpu_devices: int  # TPU devices TorchTPU registered in this process (0: none)
     torch_tpu_autoload_off: bool  # TORCH_DEVICE_BACKEND_AUTOLOAD=0 kept torch_tpu from loading
     torch_xla_version: str | None
@@ -42,6 +46,9 @@ class TpuRuntimes:
     def describe(self) -> str:
         if self.torch_tpu_version is None:
             tpu = "TorchTPU: not installed"
+        elif self.torch_tpu_other is not None:
+            tpu = (f"a torch_tpu that is not Google's TorchTPU ({self.torch_tpu_other}): xlatrain does not run on it; "
+                   "uninstall it, or use an environment of its own for it")
         elif self.torch_tpu_devices:
             tpu = f"TorchTPU (torch_tpu {self.torch_tpu_version}): {self.torch_tpu_devices} TPU device(s)"
         elif self.torch_tpu_autoload_off:
@@ -70,17 +77,91 @@ def probe() -> TpuRuntimes:
     import torch
 
     tpu_version = _version("torch_tpu") if importlib.util.find_spec("torch_tpu") is not None else None
+    other = torch_tpu_origin() if tpu_version is not None else None
     devices = 0
-    if tpu_version is not None and torch._C._get_privateuse1_backend_name() == "tpu":
+    if tpu_version is not None and other is None and torch._C._get_privateuse1_backend_name() == "tpu":
         devices = torch.accelerator.device_count()
     return TpuRuntimes(
         tpu_chips=len(find_tpu_chips()),
         torch_tpu_version=tpu_version,
+        torch_tpu_other=other,
         torch_tpu_devices=devices,
         torch_tpu_autoload_off=os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD", "1") != "1",
         torch_xla_version=_version("torch_xla") if importlib.util.find_spec("torch_xla") is not None else None,
         pjrt_device=os.environ.get("PJRT_DEVICE"),
     )
+
+
+def torch_tpu_origin() -> str | None:
+    """``None`` where the installed ``torch_tpu`` is Google's TorchTPU, else what it is instead
+    (the distribution's name, version and home page), from its distribution metadata: the import
+    name alone is shared with another project's package."""
+    names = md.packages_distributions().get("torch_tpu") or ["torch_tpu"]
+    seen = []
+    for name in names:
+        try:
+            meta = md.metadata(name)
+        except md.PackageNotFoundError:
+            continue
+        where = [*(meta.get_all("Home-page") or []), *(meta.get_all("Project-URL") or []),
+                 *(meta.get_all("Author-email") or []), *(meta.get_all("Author") or [])]
+        if any("google" in w.lower() for w in where):
+            return None
+        home = next(iter(meta.get_all("Home-page") or meta.get_all("Project-URL") or []), "no home page given")
+        seen.append(f"distribution {meta.get('Name', name)} {meta.get('Version', '?')}, {home}")
+    return "; ".join(seen) or "no distribution metadata found for the torch_tpu module"
+
+
+TORCH_TPU_MODES = {  # torch.tpu.EagerMode member -> what TorchTPU's documentation calls it
+    "DEFER_NEVER": "Strict",
+    "DEFER_AND_FUSE": "Fused",
+    "DEFER_NEVER_AND_LAUNCH_BLOCKING": "Debug",
+}
+
+
+def torch_tpu_mode_from_env(environ: dict[str, str] | None = None) -> str:
+    """The eager mode TorchTPU starts in, as its environment variables choose it."""
+    env = os.environ if environ is None else environ
+
+    def on(name: str) -> bool:
+        return env.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+    if on("TORCH_TPU_LAUNCH_BLOCKING"):
+        return "DEFER_NEVER_AND_LAUNCH_BLOCKING"
+    return "DEFER_AND_FUSE" if on("TORCH_TPU_DEFER_AND_FUSE") else "DEFER_NEVER"
+
+
+def torch_tpu_notes(eager_mode: str, matmul_precision: str | None, compiled: bool = False) -> list[str]:
+    """What a TorchTPU run should know about its eager mode and float32 matmul precision.
+
+    ``eager_mode``: a ``torch.tpu.EagerMode`` member's name; ``matmul_precision``: what
+    ``torch.get_float32_matmul_precision()`` says under TorchTPU (``None``: not known here).
+    """
+    notes = []
+    mode = TORCH_TPU_MODES.get(eager_mode, eager_mode)
+    if eager_mode == "DEFER_NEVER" and not compiled:
+        notes.append(
+            f"TorchTPU eager mode {mode} ({eager_mode}, the default): each op is dispatched alone. Fused mode "
+            "defers and fuses them, reported 50-100% faster: set torch.tpu.eager_mode = "
+            "torch.tpu.EagerMode.DEFER_AND_FUSE before training, or TORCH_TPU_DEFER_AND_FUSE=1, or train with "
+            "compile=True"
+        )
+    elif eager_mode == "DEFER_NEVER_AND_LAUNCH_BLOCKING":
+        notes.append(
+            f"TorchTPU eager mode {mode} ({eager_mode}): every op waits for the device, for debugging only; unset "
+            "TORCH_TPU_LAUNCH_BLOCKING to train at speed"
+        )
+    else:
+        notes.append(f"TorchTPU eager mode {mode} ({eager_mode})")
+    if matmul_precision == "medium":
+        notes.append(
+            "float32 matmuls and convolutions run at bfloat16 precision on the TPU "
+            "(torch.get_float32_matmul_precision() is 'medium', TorchTPU's default), as XLA_USE_BF16 did: "
+            "torch.set_float32_matmul_precision('highest') computes them in float32, more slowly"
+        )
+    elif matmul_precision is not None:
+        notes.append(f"float32 matmul precision {matmul_precision!r} (torch.set_float32_matmul_precision)")
+    return notes
 
 
 def choose(found: TpuRuntimes, requested: str = "auto") -> str | None:
@@ -92,7 +173,7 @@ def choose(found: TpuRuntimes, requested: str = "auto") -> str | None:
     """
     if requested not in TPU_RUNTIMES:
         raise ValueError(f"tpu_runtime={requested!r} is not valid: choose one of {', '.join(map(repr, TPU_RUNTIMES))}")
-    if requested in ("auto", "torch_tpu") and found.torch_tpu_devices > 0:
+    if requested in ("auto", "torch_tpu") and found.torch_tpu_devices > 0 and found.torch_tpu_other is None:
         return "torch_tpu"
     if requested in ("auto", "torch_xla") and found.xla_tpu_attached:
         return "torch_xla"
@@ -103,6 +184,13 @@ def choose(found: TpuRuntimes, requested: str = "auto") -> str | None:
 
 def unavailable(found: TpuRuntimes, requested: str = "auto") -> BackendUnavailableError:
     wanted = "a TPU" if requested == "auto" else f"the {requested} runtime"
+    if found.torch_tpu_other is not None and requested in ("auto", "torch_tpu"):
+        return BackendUnavailableError(
+            f"accelerator='tpu' asked for {wanted}, but the torch_tpu installed here is not Google's TorchTPU "
+            f"({found.torch_tpu_other}): another project's package of the same name. Uninstall it (pip uninstall "
+            f"it by that distribution's name) or give it an environment of its own, then install TorchTPU: "
+            f"{INSTALL_TORCH_TPU}. Found: {found.describe()}"
+        )
     return BackendUnavailableError(
         f"accelerator='tpu' asked for {wanted}, but none can run here. Found: {found.describe()}. "
         f"Install TorchTPU: {INSTALL_TORCH_TPU}; or torch_xla: {INSTALL_TORCH_XLA}. Without a TPU, "

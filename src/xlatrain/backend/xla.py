@@ -101,6 +101,9 @@ class XlaRuntime:
     fp16 = False
     pin_memory = False
 
+    def notes(self, compiled: bool) -> list[str]:
+        return []  # float32 stays float32 on torch_xla unless XLA_USE_BF16 (the doctor names it)
+
     def __init__(
         self, devices: int | None = None, spmd: bool = True, require_tpu: bool = False, compile_cache: bool = True
     ) -> None:

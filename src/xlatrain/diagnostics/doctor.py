@@ -789,6 +789,7 @@ def collect(
             )
         )
     findings += _flag_findings(env, xla_installed=facts.torch_xla is not None)
+    findings += torch_tpu_findings(env, installed=facts.torch_tpu is not None)
 
     # ------------------------------------------------------------------ probe
     probe_xla = xla_ok  # a torch_xla built for another torch release only repeats the error
@@ -834,6 +835,7 @@ def collect(
     if facts.torch_tpu is not None:
         rows.append(_autoload_row(facts))
         rows.append(_torch_tpu_device_row(facts, probe_result))
+        rows.append(torch_tpu_mode_row(env))
     rows.append(Row("torch_xla", xla_value, xla_status))
     rows.append(Row("libtpu", libtpu_value, libtpu_status))
     rows.append(_tpu_row(facts))
@@ -1240,6 +1242,43 @@ def _device_findings(
             )
         )
     return out
+
+
+def torch_tpu_findings(env: Mapping[str, str], *, installed: bool, origin: str | None = None) -> list[Finding]:
+    """TorchTPU's traps that show without running it: another project's ``torch_tpu`` under the
+    same name, and Debug eager mode left on (every op waits)."""
+    from xlatrain.backend.runtimes import torch_tpu_mode_from_env, torch_tpu_notes, torch_tpu_origin
+
+    if not installed:
+        return []
+    other = origin if origin is not None else torch_tpu_origin()
+    if other is not None:
+        return [Finding(
+            "torch_tpu:not-google", "error", "the torch_tpu installed here is not Google's TorchTPU",
+            f"its distribution metadata names no Google project ({other}): another project's package also "
+            "installs a module named torch_tpu with a 'tpu' device; xlatrain does not run on it",
+            f"uninstall it or give it an environment of its own; for TorchTPU: {INSTALL_TORCH_TPU}",
+        )]
+    mode = torch_tpu_mode_from_env(dict(env))
+    if mode == "DEFER_NEVER_AND_LAUNCH_BLOCKING":
+        return [Finding("torch_tpu:debug-mode", "warning", "TorchTPU will run in eager mode Debug: every op waits",
+                        f"TORCH_TPU_LAUNCH_BLOCKING={env.get('TORCH_TPU_LAUNCH_BLOCKING')!r}",
+                        torch_tpu_notes(mode, None)[0])]
+    return []
+
+
+def torch_tpu_mode_row(env: Mapping[str, str]) -> Row:
+    """The eager mode TorchTPU starts in, and on a TPU the float32 matmul precision to expect."""
+    from xlatrain.backend.runtimes import TORCH_TPU_MODES, torch_tpu_mode_from_env
+
+    mode = torch_tpu_mode_from_env(dict(env))
+    value = f"{TORCH_TPU_MODES[mode]} ({mode})"
+    if mode == "DEFER_NEVER":
+        value += ("; Fused mode is reported 50-100% faster: TORCH_TPU_DEFER_AND_FUSE=1, torch.tpu.eager_mode = "
+                  "torch.tpu.EagerMode.DEFER_AND_FUSE, or compile=True")
+    value += ("; float32 matmuls run at bfloat16 precision on a TPU unless "
+              "torch.set_float32_matmul_precision('highest')")
+    return Row("TorchTPU eager mode", value, "warning" if mode == "DEFER_NEVER_AND_LAUNCH_BLOCKING" else "info")
 
 
 def _flag_findings(env: Mapping[str, str], *, xla_installed: bool) -> list[Finding]:

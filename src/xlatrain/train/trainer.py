@@ -410,6 +410,8 @@ class Trainer:
             + f" | {feed.steps_per_epoch // cfg.grad_accum_steps} optimizer steps per epoch"
             + f" | precision {cfg.precision} | run dir {self.run_dir}"
         )
+        for note in rt.notes(cfg.compile):
+            self._say(f"note: {note}")
         assert self.memory_plan is not None and self.throughput is not None
         self._say(f"memory per device, before the first step: {self.memory_plan.summary()}")
         self._say(self.throughput.summary())
