@@ -162,6 +162,11 @@ def device_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer 
     """Bytes one device holds of parameters, gradients and optimizer state, read from each
     tensor's shard on the first device (a replicated tensor is whole there)."""
     import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    # Reading a shard of a tensor whose step is still running fails ("an async operation is in
+    # flight"): wait for the launched work first.
+    xm.wait_device_ops()
 
     def shard_bytes(tensors: list[torch.Tensor]) -> int:
         tensors = [t for t in tensors if t.device.type == "xla"]
