@@ -518,7 +518,51 @@ def finished(tmp_path_factory) -> Path:
     return run_dir
 
 
+# The pipeline's own pieces: a sampler, a collate function, callbacks, a batch transform, and the
+# settings beside them (top-k, EMA, fp16).
+PIECES = {
+    "sampler not a sampler": Case(api(lambda d: trainer(d, sampler=3)), "TypeError",
+                                  r"sampler=3 is neither a sampler", r"sampler\(dataset, num_replicas"),
+    "sampler index out of range": Case(api(lambda d: trainer(d, sampler=list(range(40))).fit(data())), "ValueError",
+                                       r"index 32 in epoch 1, outside the training set's 0\.\.31",
+                                       r"build it over the dataset"),
+    "sampler too short": Case(api(lambda d: trainer(d, sampler=[0, 1, 2]).fit(data())), "ValueError",
+                              r"sampler gave 3 indices in epoch 1, fewer than one optimizer step needs",
+                              r"Lower batch_size"),
+    "sampler with a BatchSource": Case(api(lambda d: trainer(d, sampler=[0, 1]).fit(Batches())), "ValueError",
+                                       r"train_data is a Batches, which reads and batches its own",
+                                       r"pass a map-style dataset|leave sampler= and collate_fn= out"),
+    "collate_fn not callable": Case(api(lambda d: trainer(d, collate_fn="stack")), "TypeError",
+                                    r"collate_fn='stack' is not callable", r"a function that makes one batch"),
+    "collate_fn wrong targets": Case(api(lambda d: trainer(d, collate_fn=lambda items: (
+        torch.stack([i[0] for i in items]), torch.zeros(len(items), 7))).fit(data())), "ValueError",
+        r"dry run on one training batch.*float targets of shape \(2, 7\)", r"probabilities of the outputs' shape"),
+    "callback without hooks": Case(api(lambda d: trainer(d, callbacks=[object()])), "TypeError",
+                                   r"has none of the methods on_fit_start", r"def on_epoch_end\(self, trainer, row\)"),
+    "batch_transform not callable": Case(api(lambda d: trainer(d, batch_transform=1)), "TypeError",
+                                         r"batch_transform=1 is not callable", r"lambda b:"),
+    "top_k beyond the classes": Case(api(lambda d: trainer(d, cfg={"top_k": (5,)}).fit(data(), data(8))),
+                                     "ValueError", r"top-5 accuracy, but the model has 3 outputs", r"at most 3"),
+    "ema_decay out of range": Case(api(lambda d: trainer(d, cfg={"ema_decay": 1.0})), "ValueError",
+                                   r"ema_decay=1\.0 is not valid", r"between 0 and 1"),
+}
+
+
+class Batches:
+    """A source that reads and batches its own records (the BatchSource protocol)."""
+
+    def __len__(self) -> int:
+        return 32
+
+    def train_batches(self, **layout: Any) -> Any:
+        return iter([])
+
+    def eval_batches(self, **layout: Any) -> Any:
+        return iter([])
+
+
 CASES.update(MORE)
+CASES.update(PIECES)
 
 
 @pytest.mark.parametrize("name", list(CASES))
