@@ -1,6 +1,6 @@
 """Train with a user's sampler, alone or under torchrun; the main process prints HISTORY and READ.
 
-Usage: python sampler_fit.py RUN_DIR MODE PER_DEVICE_BATCH
+Usage: python sampler_fit.py RUN_DIR MODE PER_DEVICE_BATCH [xla]  (xla: 4 virtual XLA:CPU devices, SPMD)
 MODE: shared (one order for every process, a reversed-stride permutation), factory
 (DistributedSampler built per process), uneven (a per-process sampler that gives rank 1 fewer
 indices than rank 0). READ: per process, the dataset indices its batches held, in order.
@@ -50,6 +50,7 @@ class Uneven(torch.utils.data.Sampler):
 
 def main() -> None:
     run_dir, mode, batch = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    where = {"accelerator": "xla", "devices": 4} if sys.argv[4:] == ["xla"] else {"accelerator": "cpu"}
     sampler = {
         "shared": [(37 * i) % N for i in range(N)][::-1],
         "factory": functools.partial(DistributedSampler, shuffle=False),
@@ -63,7 +64,7 @@ def main() -> None:
         config=xlatrain.TrainConfig(epochs=2, batch_size=batch, run_dir=run_dir, log_every=1000, diagnostics=False,
                                     tensorboard=False),
         checkpoint=xlatrain.CheckpointConfig(enabled=False),
-        accelerator="cpu", sampler=sampler,
+        sampler=sampler, **where,
     )
     data.read.clear()  # the dry run's and the memory plan's reads are not training batches
     history = trainer.fit(data)

@@ -462,3 +462,23 @@ def test_every_process_makes_the_same_host_reads(tmp_path, strategy):
     reads = [json.loads((tmp_path / f"reads-{rank}.json").read_text()) for rank in (0, 1)]
     assert len(reads[0]) > 20 and any("defer" in r for r in reads[0])
     assert reads[0] == reads[1]
+
+
+@pytest.mark.xla
+def test_under_spmd_a_shared_order_gives_the_global_batches_of_one_cpu_process(tmp_path):
+    import json
+    import sys
+
+    from conftest import SCRIPTS, run_command
+
+    def fit(name, batch, *where, env=None):
+        proc = run_command([sys.executable, str(SCRIPTS / "sampler_fit.py"), str(tmp_path / name), "shared", str(batch),
+                            *where], env=env, timeout=600)
+        found = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if line.startswith(("HISTORY ", "READ ")))
+        return json.loads(found["HISTORY"]), json.loads(found["READ"])
+
+    spmd, reads = fit("spmd", 4, "xla", env={"PJRT_DEVICE": "CPU"})  # 4 devices x 4 = global batch 16
+    cpu, _ = fit("cpu", 16)
+    assert [r["train_loss"] for r in spmd] == pytest.approx([r["train_loss"] for r in cpu], rel=1e-4)
+    order = [(37 * i) % 64 for i in range(64)][::-1]
+    assert reads[0][-128:] == order * 2  # one process reads every global batch, in the sampler's order
