@@ -17,6 +17,7 @@ from typing import Any
 
 from xlatrain.checkpoint import META_FILE, atomic_write_bytes, atomic_write_text, list_checkpoints
 from xlatrain.config import monitor_mode_for
+from xlatrain.tree import flatten_keys
 
 
 def _json_value(v: Any) -> Any:
@@ -272,17 +273,6 @@ _COMPARE_SIZE = (10, 4.5)  # a little wider than one run's plots: the legend nam
 _MISSING = object()  # a key one run's config lacks: unlike any value, None included
 
 
-def _flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in config.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict) and value:
-            flat.update(_flatten(value, f"{name}."))
-        else:
-            flat[name] = value
-    return flat
-
-
 def _show(value: Any) -> str:
     if value is _MISSING:
         return "-"
@@ -344,7 +334,7 @@ def write_comparison(run_dirs: Sequence[str | Path], out_dir: str | Path | None 
         rows = _history(d)
         config, source = read_run_config(d)
         monitor, mode = _monitor(config, rows)
-        runs.append({"dir": d, "name": name, "rows": rows, "config": _flatten(config), "source": source,
+        runs.append({"dir": d, "name": name, "rows": rows, "config": flatten_keys(config, lambda name, value: bool(value)), "source": source,
                      "monitor": monitor, "mode": mode, "scores": _scores(rows, monitor, mode)})
     keys = sorted({k for r in runs for k in r["config"]} - _SAME_BY_NATURE)
     differing = [k for k in keys if any(not _same(r["config"].get(k, _MISSING), runs[0]["config"].get(k, _MISSING))

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from xlatrain.logs import get_logger
+from xlatrain.tree import flatten_keys
 
 log = get_logger(__name__)
 
@@ -210,21 +211,14 @@ def _host_float(name: str, value: Any) -> float:
     return float(value)
 
 
-def _flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in config.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            flat.update(_flatten(value, name + "."))
-        elif value is None:
-            continue
-        elif isinstance(value, (bool, str)) or (isinstance(value, numbers.Real) and math.isfinite(value)):
-            flat[name] = value
-        elif isinstance(value, (list, tuple)):
-            flat[name] = json.dumps(value, default=str)
-        else:
-            flat[name] = str(value)
-    return flat
+def _flatten(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The config as hparams take it: dotted keys, no None, lists as JSON, other objects as text."""
+    def hparam(value: Any) -> Any:
+        if isinstance(value, (bool, str)) or (isinstance(value, numbers.Real) and math.isfinite(value)):
+            return value
+        return json.dumps(value, default=str) if isinstance(value, (list, tuple)) else str(value)
+
+    return {name: hparam(v) for name, v in flatten_keys(config).items() if v is not None}
 
 
 def _event_files(log_dir: Path) -> list[Path]:

@@ -60,3 +60,19 @@ def _rebuild_mapping(cls: type, values: dict[str, Any]) -> Any:
 def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
     leaves, spec = tree_flatten(tree)
     return tree_unflatten([fn(leaf) for leaf in leaves], spec)
+
+
+def flatten_keys(
+    config: Mapping[str, Any], descend: Callable[[str, Mapping[str, Any]], bool] = lambda name, value: True,
+    prefix: str = "",
+) -> dict[str, Any]:
+    """A nested config as ``{"section.key": value}``: each mapping that ``descend(dotted name,
+    mapping)`` accepts is opened into its keys; any other value, and a refused mapping, is a leaf."""
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and descend(name, value):
+            flat.update(flatten_keys(value, descend, name + "."))
+        else:
+            flat[name] = value
+    return flat

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from xlatrain.checkpoint import distinct_weights
+from xlatrain.tree import flatten_keys
 
 FORMAT_VERSION = 1
 
@@ -224,15 +225,11 @@ RESUME_RULES: dict[str, str] = {
 STRICT_SECTIONS = ("model", "optimizer", "schedule", "data", "backend")
 
 
-def _flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in config.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict) and (prefix or key in ("trainer", "checkpoint", "run", *STRICT_SECTIONS)):
-            out.update(_flatten(value, name + "."))
-        else:
-            out[name] = value
-    return out
+def _flatten(config: dict[str, Any]) -> dict[str, Any]:
+    """Keys of the Trainer's sections and of the recipe sections compared key by key; any other
+    top-level mapping is compared whole."""
+    sections = ("trainer", "checkpoint", "run", *STRICT_SECTIONS)
+    return flatten_keys(config, lambda name, value: "." in name or name in sections)
 
 
 def resume_changes(old: dict[str, Any], new: dict[str, Any], epochs_done: int) -> tuple[list[str], list[str]]:
