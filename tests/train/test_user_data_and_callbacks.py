@@ -482,3 +482,18 @@ def test_under_spmd_a_shared_order_gives_the_global_batches_of_one_cpu_process(t
     assert [r["train_loss"] for r in spmd] == pytest.approx([r["train_loss"] for r in cpu], rel=1e-4)
     order = [(37 * i) % 64 for i in range(64)][::-1]
     assert reads[0][-128:] == order * 2  # one process reads every global batch, in the sampler's order
+
+
+def test_an_ema_waits_for_the_first_step_the_scaler_did_not_skip(tmp_path):
+    # fp16 with a summed loss: the first steps overflow and the scaler skips them, so Adam has no
+    # state yet; the average must not be the first entry in it (Adam would take it for its own).
+    trainer = Trainer(
+        _model(), nn.CrossEntropyLoss(reduction="sum"), functools.partial(torch.optim.Adam, lr=0.01),
+        config=TrainConfig(epochs=1, batch_size=BATCH, run_dir=str(tmp_path / "r"), precision="fp16", ema_decay=0.9,
+                           tensorboard=False), backend="cpu",
+    )
+    history = trainer.fit(_data(), _data(16, seed=1))
+    assert trainer.grad_scaler.get_scale() < 65536.0  # steps were skipped
+    state = next(iter(trainer.optimizer.state.values()))
+    assert {"step", "exp_avg", "exp_avg_sq", "xlatrain_ema"} <= set(state)
+    assert history[0]["val_ema_loss"] != history[0]["val_loss"]

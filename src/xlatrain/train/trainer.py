@@ -226,6 +226,7 @@ class Trainer:
         self._callbacks = Callbacks(callbacks)
         self._stop_reason: str | None = None
         self._ema_ready = False  # the optimizer's state holds an EMA of every parameter
+        self._optimizer_stepped = False  # the optimizer has taken a step (and built its state)
         self.config = cfg = config or TrainConfig()
         self.checkpoint = checkpoint or CheckpointConfig()
         self.layout = BatchLayout(inputs, targets)
@@ -279,6 +280,8 @@ class Trainer:
                 f"optimizer_fn returned a {type(self.optimizer).__name__}, not a torch.optim.Optimizer: it must build "
                 "the optimizer from the parameters it is given, e.g. functools.partial(torch.optim.AdamW, lr=1e-3)"
             )
+        if cfg.ema_decay is not None:  # the EMA joins the optimizer's state once it has one
+            self.optimizer.register_step_post_hook(lambda *_: setattr(self, "_optimizer_stepped", True))
         if cfg.scale_lr and st.world_size > 1:
             before = [g["lr"] for g in self.optimizer.param_groups]
             for g in self.optimizer.param_groups:
@@ -810,11 +813,14 @@ class Trainer:
 
         The averages live in the optimizer's state (key ``xlatrain_ema``), beside its moments: they
         are sharded as the parameters are, counted in the memory plan as optimizer state, and
-        saved and restored with it by every strategy's checkpoint. The first update runs after the
-        first optimizer step, once an optimizer that builds its state at its first step has.
+        saved and restored with it by every strategy's checkpoint. The first update waits for the
+        optimizer's first step that ran (not one a gradient scaler skipped): an optimizer that
+        builds its state at its first step (Adam) would take an entry made before as its state.
         """
         state = self.optimizer.state
         if not self._ema_ready:
+            if not self._optimizer_stepped and not any(state.values()):
+                return
             for group in self.optimizer.param_groups:
                 for p in group["params"]:
                     if EMA_KEY not in state[p]:
