@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     fit.set_defaults(func=_fit)
 
     from xlatrain.data.pack_cli import add_pack_parser
-    from xlatrain.diagnostics.cli import add_doctor_parser
+    from xlatrain.doctor.cli import add_doctor_parser
 
     add_doctor_parser(sub)
     add_pack_parser(sub)
