@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from benchmarks.trainer_overhead import with_threads
 from xlatrain import CheckpointConfig, TrainConfig, Trainer
 from xlatrain.backend.peak import measured_peak
 from xlatrain.recipes.lm.data import ByteWindows, split_bytes
@@ -69,12 +70,7 @@ def _hand_epoch(model: torch.nn.Module, forward: Any, opt: torch.optim.Optimizer
 
 
 def run() -> dict[str, Any]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(THREADS)
-    try:
-        return _measure()
-    finally:
-        torch.set_num_threads(threads)
+    return with_threads(_measure, THREADS)
 
 
 def _trainer(run_dir: str, compile: bool) -> Trainer:

@@ -57,10 +57,10 @@ def _plain_epoch(
     return time.perf_counter() - start
 
 
-def with_threads(measure: Any) -> dict[str, Any]:
-    """``measure()`` with ``THREADS`` compute threads, the previous count restored after."""
+def with_threads(measure: Any, count: int = THREADS) -> dict[str, Any]:
+    """``measure()`` with ``count`` compute threads, the previous count restored after."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(THREADS)
+    torch.set_num_threads(count)
     try:
         return measure()
     finally:

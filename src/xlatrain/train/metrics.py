@@ -130,8 +130,9 @@ class EvalAccumulator:
         names = list(self.sums)
         stacked = torch.stack([self.sums[n] for n in names] + [self.count, self.correct, *self.top_correct])
         (sums,) = runtime.read([strategy.all_reduce_sum(stacked)])
-        *term_sums, count, correct = sums.double().tolist()[: len(names) + 2]
-        top_correct = sums.double().tolist()[len(names) + 2:]
+        values = sums.double().tolist()
+        *term_sums, count, correct = values[: len(names) + 2]
+        top_correct = values[len(names) + 2:]
         out: dict[str, float] = {name: value / count for name, value in zip(names, term_sums)}
         out["num_samples"] = int(count)
         if self.task == "classification":

@@ -205,22 +205,8 @@ class Trainer:
     ) -> None:
         ensure_console()  # messages from here on (scale_lr, resume) reach a console
         _check_arguments(model, loss_fn, optimizer_fn, scheduler_fn, config, checkpoint, metrics_fn)
-        if collate_fn is not None and not callable(collate_fn):
-            raise TypeError(
-                f"collate_fn={collate_fn!r} is not callable: give a function that makes one batch from a list of "
-                "dataset items, e.g. lambda items: mixup(*default_collate(items))"
-            )
-        if sampler is not None and not (callable(sampler) or hasattr(sampler, "__iter__")):
-            raise TypeError(
-                f"sampler={sampler!r} is neither a sampler (iterable over dataset indices) nor a factory "
-                "sampler(dataset, num_replicas=..., rank=...) building one"
-            )
+        _check_pipeline_arguments(collate_fn, sampler, batch_transform)
         self._collate = collate_fn or collate
-        if batch_transform is not None and not callable(batch_transform):
-            raise TypeError(
-                f"batch_transform={batch_transform!r} is not callable: give a function of a batch on the device that "
-                "returns the batch, e.g. lambda b: (normalize(b[0]), b[1])"
-            )
         self._batch_transform = batch_transform
         self._sampler = sampler
         self._callbacks = Callbacks(callbacks)
@@ -1320,6 +1306,26 @@ def _check_arguments(
         raise TypeError(f"metrics_fn {metrics_fn!r} is not callable: pass metrics_fn(outputs, targets) -> {{name: value}}")
 
 
+def _check_pipeline_arguments(collate_fn: Any, sampler: Any, batch_transform: Any) -> None:
+    """The pipeline's own pieces (``collate_fn``, ``sampler``, ``batch_transform``), as
+    :func:`_check_arguments` checks the rest."""
+    if collate_fn is not None and not callable(collate_fn):
+        raise TypeError(
+            f"collate_fn={collate_fn!r} is not callable: give a function that makes one batch from a list of "
+            "dataset items, e.g. lambda items: mixup(*default_collate(items))"
+        )
+    if sampler is not None and not (callable(sampler) or hasattr(sampler, "__iter__")):
+        raise TypeError(
+            f"sampler={sampler!r} is neither a sampler (iterable over dataset indices) nor a factory "
+            "sampler(dataset, num_replicas=..., rank=...) building one"
+        )
+    if batch_transform is not None and not callable(batch_transform):
+        raise TypeError(
+            f"batch_transform={batch_transform!r} is not callable: give a function of a batch on the device that "
+            "returns the batch, e.g. lambda b: (normalize(b[0]), b[1])"
+        )
+
+
 def _check_dataset(name: str, data: Any) -> None:
     if isinstance(data, BatchSource):
         return
@@ -1662,7 +1668,6 @@ class _TrainFeed:
     def __init__(self, trainer: Trainer, dataset: Any) -> None:
         cfg, st = trainer.config, trainer.strategy
         self._runtime, self._sharding = trainer.runtime, st.input_sharding
-        self._dataset = dataset
         self._layout = trainer._layout(cfg.batch_size)
         self._seed = cfg.seed
         self._step_multiple = cfg.grad_accum_steps
@@ -1698,7 +1703,7 @@ class _TrainFeed:
             self.sampler.set_epoch(epoch, start_step)
             host: Iterable[Any] = self._loader
         else:
-            host = self._dataset.train_batches(
+            host = self.dataset.train_batches(
                 epoch=epoch, start_step=start_step, seed=self._seed, step_multiple=self._step_multiple, **self._layout
             )
         return self._runtime.wrap_loader(host, self._sharding)
