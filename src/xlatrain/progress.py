@@ -68,6 +68,34 @@ class IntervalStats:
     nonfinite: int  # steps of this epoch so far whose loss or gradient norm was NaN/Inf
 
 
+class IntervalMeter:
+    """One epoch's interval figures, from the loss sums of successive deferred reads.
+
+    Args:
+        start_step: the last step already done (non-zero when resuming inside the epoch).
+        samples_per_step: samples one step consumes over all devices (the global batch).
+        start_loss_sum: the epoch's loss sum at ``start_step`` (from a checkpoint), so the first
+            interval after a resume measures its own mean; ``None`` with ``start_step`` > 0 makes
+            that first interval the epoch mean instead.
+    """
+
+    def __init__(self, start_step: int, *, samples_per_step: int, start_loss_sum: float | None = None) -> None:
+        self._samples_per_step = samples_per_step
+        self._last_step = start_step
+        self._last_sum = 0.0 if start_step == 0 else start_loss_sum
+        self._last_time = time.perf_counter()
+
+    def measure(self, step: int, *, loss_sum: float, nonfinite: float) -> IntervalStats:
+        """The interval ending at ``step``: ``loss_sum`` over the epoch's steps 1..``step``."""
+        now = time.perf_counter()
+        done = step - self._last_step
+        rate = done * self._samples_per_step / max(now - self._last_time, 1e-9)
+        epoch_loss = loss_sum / step
+        interval_loss = (loss_sum - self._last_sum) / done if self._last_sum is not None and done > 0 else epoch_loss
+        self._last_step, self._last_sum, self._last_time = step, loss_sum, now
+        return IntervalStats(step, epoch_loss, interval_loss, rate, int(nonfinite))
+
+
 class EpochProgress:
     """One epoch's progress: ``advance`` every step, ``report`` at each log interval, ``close``.
 
@@ -108,11 +136,8 @@ class EpochProgress:
         self.epoch = epoch
         self._rate_note = rate_note
         self.num_steps = num_steps
-        self._samples_per_step = samples_per_step
         self._log = log
-        self._last_step = start_step
-        self._last_sum = 0.0 if start_step == 0 else start_loss_sum
-        self._last_time = time.perf_counter()
+        self.meter = IntervalMeter(start_step, samples_per_step=samples_per_step, start_loss_sum=start_loss_sum)
         self._stack = contextlib.ExitStack()
         self._bar: Any = None
         self._interactive = interactive
@@ -145,7 +170,7 @@ class EpochProgress:
             self._bar.update(step - self._bar.n)
 
     def report(self, step: int, *, loss_sum: float, nonfinite: float) -> IntervalStats:
-        """Show one log interval, measured from the host values of a deferred read.
+        """Measure and show one log interval from the host values of a deferred read.
 
         Args:
             step: the step (within the epoch) the read was taken at.
@@ -155,20 +180,17 @@ class EpochProgress:
         Returns:
             The interval's numbers, for TensorBoard.
         """
-        now = time.perf_counter()
-        done = step - self._last_step
-        rate = done * self._samples_per_step / max(now - self._last_time, 1e-9)
-        epoch_loss = loss_sum / step
-        interval_loss = (loss_sum - self._last_sum) / done if self._last_sum is not None and done > 0 else epoch_loss
-        self._last_step, self._last_sum, self._last_time = step, loss_sum, now
-        bad = int(nonfinite)
-        stats = IntervalStats(step, epoch_loss, interval_loss, rate, bad)
-        note = f"  ({bad} non-finite steps)" if bad > 0 else ""
-        extra = self._rate_note(rate) if self._rate_note is not None else ""
-        rate_text = f"{rate:,.0f} samples/s" + (f", {extra}" if extra else "")
+        stats = self.meter.measure(step, loss_sum=loss_sum, nonfinite=nonfinite)
+        self.show(step, epoch_loss=stats.epoch_loss, samples_per_s=stats.samples_per_s, nonfinite=stats.nonfinite)
+        return stats
+
+    def show(self, step: int, *, epoch_loss: float, samples_per_s: float, nonfinite: int) -> None:
+        """Show one measured interval: a line, or the bar's figures."""
+        note = f"  ({nonfinite} non-finite steps)" if nonfinite > 0 else ""
+        extra = self._rate_note(samples_per_s) if self._rate_note is not None else ""
+        rate_text = f"{samples_per_s:,.0f} samples/s" + (f", {extra}" if extra else "")
         if self._interactive:
-            # A read that lands after close (CUDA runs pending reads at the epoch-end read) is
-            # not shown: its bar is gone, and the epoch line follows.
+            # A read that lands after close is not shown: its bar is gone, and the epoch line follows.
             if self._bar is not None:
                 self._bar.set_postfix_str(f"loss {epoch_loss:.4f}, {rate_text}{note}", refresh=False)
                 self.advance(step)
@@ -177,7 +199,6 @@ class EpochProgress:
             self._log(
                 f"  epoch {self.epoch} step {step}/{self.num_steps}  loss {epoch_loss:.4f}  {rate_text}{note}"
             )
-        return stats
 
     def close(self) -> None:
         """Remove the bar and put logging back as it was; ``report`` still measures afterwards."""

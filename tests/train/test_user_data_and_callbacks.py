@@ -1,5 +1,6 @@
 """A user's sampler and collate_fn, the steps an epoch really ran, and callbacks."""
 
+import dataclasses
 import functools
 import logging
 
@@ -199,6 +200,29 @@ def test_callbacks_hear_each_point_of_the_run_with_host_values_and_can_stop_it(t
     # The stopped run resumes, and trains on to its last epoch.
     more = _trainer(tmp_path, epochs=5).fit(_data(), _data(16, seed=1))
     assert [r["epoch"] for r in more] == [1, 2, 3, 4, 5]
+
+
+def test_progress_tensorboard_and_callbacks_show_the_same_interval_figures(tmp_path, caplog):
+    """xlatrain's own observers hear the points the user's callbacks hear, with the same values:
+    the progress line's loss is the callback's epoch_loss, TensorBoard's point its interval loss."""
+    from tensorboard.backend.event_processing import event_accumulator
+
+    caplog.set_level(logging.INFO, logger="xlatrain")
+    rec = Recorder()
+    trainer = _trainer(tmp_path, epochs=2, callbacks=[rec])
+    trainer.config = dataclasses.replace(trainer.config, tensorboard=True)
+    trainer.fit(_data())
+    intervals = [c[1] for c in rec.calls if c[0] == "interval"]
+    assert len(intervals) == 4
+    for v in intervals:
+        assert f"epoch {v['epoch']} step {v['step']}/6  loss {v['epoch_loss']:.4f}" in caplog.text
+        assert v["nonfinite_steps"] == 0
+    # The epoch mean so far and the interval's own mean differ after the first interval.
+    assert intervals[1]["epoch_loss"] != pytest.approx(intervals[1]["loss"])
+    acc = event_accumulator.EventAccumulator(str(tmp_path / "run" / "tb"), size_guidance={event_accumulator.SCALARS: 0})
+    acc.Reload()
+    points = [(e.step, e.value) for e in acc.Scalars("train/loss")]
+    assert points == [(v["global_step"], pytest.approx(v["loss"], rel=1e-6)) for v in intervals]
 
 
 def test_a_callback_without_any_hook_is_refused_at_once(tmp_path):

@@ -5,8 +5,10 @@ skipped; no base class is needed):
 
 - ``on_fit_start(trainer)``: once, after the run header, before the first step;
 - ``on_interval(trainer, values)``: every ``log_every`` steps, with the interval's figures
-  (``epoch``, ``step``, ``global_step``, ``loss``, ``lr``, ``samples_per_s`` and, where counted,
-  ``tokens_per_s`` and ``mfu``) as Python numbers. It runs when the Trainer's own deferred read of
+  (``epoch``, ``step``, ``global_step``, ``loss`` (the interval's mean), ``epoch_loss`` (the
+  epoch's mean so far), ``nonfinite_steps``, ``lr``, ``samples_per_s`` and, where counted,
+  ``tokens_per_s`` and ``mfu``) as Python numbers: the figures the progress line and TensorBoard
+  show, which are observers of the same points (:mod:`xlatrain.train.observers`). It runs when the Trainer's own deferred read of
   the interval arrives, so it adds no device read: never read a tensor of the model in it;
 - ``on_epoch_end(trainer, row)``: after each epoch, with its history row (the numbers
   ``history.json`` gets), once the row is written and the epoch's checkpoint saved;

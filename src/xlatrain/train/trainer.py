@@ -51,11 +51,12 @@ from xlatrain.diagnostics.profile import StepTrace
 from xlatrain.diagnostics.run import RunDiagnostics
 from xlatrain.logs import ensure_console, get_logger
 from xlatrain import run_lock
-from xlatrain.progress import EpochProgress, interactive_terminal
+from xlatrain.progress import IntervalMeter, interactive_terminal
 from xlatrain.report import write_history
 from xlatrain.tensorboard import TensorBoardLog
 from xlatrain.train.batch import BatchLayout, collate, tree_map
 from xlatrain.train.callbacks import Callbacks
+from xlatrain.train.observers import DiagnosticsObserver, Observers, ProgressObserver, TensorBoardObserver, TraceObserver
 from xlatrain.train.losses import EvalLoss, loss_terms
 from xlatrain.train.metrics import EvalAccumulator, RowCollector, as_float, default_monitor, infer_task
 from xlatrain.train import perf
@@ -287,11 +288,10 @@ class Trainer:
         self._nonfinite: tuple[int, int, int, int] | None = None  # set by a deferred read
         self._config_record: dict[str, Any] = {}
         self._term_names: list[str] = []  # the loss's named terms, learnt in the dry run
-        self._diag: RunDiagnostics | None = None
-        self._interactive = False  # draw a progress bar: decided by fit
         self._start_loss_sum: float | None = None  # the resumed epoch's loss sum, from the checkpoint
-        self._tb: TensorBoardLog | None = None
-        self._trace: StepTrace | None = None
+        # Who hears the run's points: the user's callbacks, and while fit runs xlatrain's own
+        # observers (progress, TensorBoard, trace, diagnostics) before them.
+        self._observers = Observers([], self._callbacks)
         self._lock: run_lock.RunLock | None = None  # held by the main process while fit runs
         self._feed: _TrainFeed | None = None
         self._clear_pending = False  # resume="overwrite" clears the earlier run once the checks pass
@@ -419,24 +419,10 @@ class Trainer:
             )
         if first_epoch > cfg.epochs:
             return self.history  # a finished run: every file stays as it is
-        self._interactive = interactive_terminal(st.is_main)
         with contextlib.ExitStack() as run:
-            # Each is closed however the run ends (finished, preempted, failed): event files
-            # flushed, a trace written, the compile watch's callback removed, signals restored.
-            self._tb = run.enter_context(
-                TensorBoardLog(self.run_dir, enabled=cfg.tensorboard, is_main=st.is_main, start_step=cursor.global_step)
-            )
-            self._trace = run.enter_context(contextlib.closing(
-                StepTrace(self.run_dir, cfg.profile_steps, trace_kind=rt.trace_kind, is_main=st.is_main,
-                          platform=rt.platform)
-            )) if cfg.profile_steps else None
-            watch = run.enter_context(CompileWatch().start(first_epoch=first_epoch)) if cfg.compile else None
-            self._diag = RunDiagnostics(
-                rt, st, per_device_batch=cfg.batch_size, strict=cfg.strict, grad_accum_steps=cfg.grad_accum_steps,
-                compile_watch=watch,
-            ) if cfg.diagnostics else None
+            obs = self._observers = self._run_observers(run, cursor, first_epoch)
             stop = run.enter_context(_StopSignals(self._say))
-            self._callbacks.call("on_fit_start", self)
+            obs.call("on_fit_start", self)
             for epoch in range(first_epoch, cfg.epochs + 1):
                 started = time.perf_counter()
                 cursor.epoch, cursor.step, cursor.epoch_done = epoch, start_step, False
@@ -455,7 +441,7 @@ class Trainer:
                 self.epochs_trained += 1
                 if self.epochs_trained == 1:
                     self._report_peak()
-                self._callbacks.call("on_epoch_end", self, row)
+                obs.call("on_epoch_end", self, row)
                 if self._patience_spent(cursor):
                     self._say(
                         f"early stop: {self.monitor} has not improved for {cfg.early_stop_patience} epoch(s) "
@@ -467,20 +453,42 @@ class Trainer:
                     why = st.gather_objects(self._stop_reason) if st.num_processes > 1 else [self._stop_reason]
                     self._say(f"stopped after epoch {epoch}: {next(r for r in why if r is not None)} (request_stop)")
                     break
-            if self._diag is not None:
-                self._diag.sections["memory"] = self.memory_plan.as_dict()
-                self._diag.sections["throughput"] = self.throughput.as_dict()
-                self._diag.finish(self.run_dir, st.is_main)
+            obs.call("on_run_end", self)
         st.barrier()
-        self._callbacks.call("on_fit_end", self, self.history)
+        obs.call("on_fit_end", self, self.history)
         return self.history
+
+    def _run_observers(self, run: contextlib.ExitStack, cursor: Cursor, first_epoch: int) -> Observers:
+        """xlatrain's own observers of this fit, each closed however the run ends (finished,
+        preempted, failed): event files flushed, a trace written, the compile watch's callback
+        removed; after the run only the user's callbacks are left."""
+        cfg, rt, st = self.config, self.runtime, self.strategy
+        run.callback(setattr, self, "_observers", Observers([], self._callbacks))
+        own: list[Any] = [ProgressObserver(
+            interactive=interactive_terminal(st.is_main), log=self._say, samples_per_step=self.global_batch_size,
+            rate_note=self.throughput.text if self.throughput is not None else None,
+        )]
+        tb = run.enter_context(
+            TensorBoardLog(self.run_dir, enabled=cfg.tensorboard, is_main=st.is_main, start_step=cursor.global_step))
+        if tb.enabled:
+            own.append(TensorBoardObserver(tb, self._config_record))
+        if cfg.profile_steps:
+            own.append(TraceObserver(run.enter_context(contextlib.closing(StepTrace(
+                self.run_dir, cfg.profile_steps, trace_kind=rt.trace_kind, is_main=st.is_main, platform=rt.platform)))))
+        if cfg.diagnostics:
+            watch = run.enter_context(CompileWatch().start(first_epoch=first_epoch)) if cfg.compile else None
+            diag = RunDiagnostics(rt, st, per_device_batch=cfg.batch_size, strict=cfg.strict,
+                                  grad_accum_steps=cfg.grad_accum_steps, compile_watch=watch)
+            assert self.memory_plan is not None and self.throughput is not None
+            plan, rate = self.memory_plan, self.throughput
+            own.append(DiagnosticsObserver(diag, lambda: {"memory": plan.as_dict(), "throughput": rate.as_dict()}))
+        return Observers(own, self._callbacks)
 
     def _finish_epoch(self, row: dict[str, Any], cursor: Cursor, sums: dict[str, torch.Tensor]) -> None:
         """An epoch's bookkeeping, in the order a resume relies on: history and TensorBoard are
         written before the checkpoint that marks the epoch done."""
         cfg, st = self.config, self.strategy
-        if self._diag is not None:
-            row["input_bound_share"] = round(self._diag.end_epoch(cursor.epoch)["input_bound_share"], 4)
+        self._observers.call("on_epoch_row", self, row)
         row.update(self.runtime.runtime_stats())
         if self.scheduler is not None and cfg.scheduler_interval == "epoch":
             self.scheduler.step()
@@ -490,12 +498,9 @@ class Trainer:
         if st.is_main:
             with _writing(self.run_dir / "history.json"):
                 write_history(self.run_dir, self.history)
-        tb = self._tb
-        if tb is not None:
-            tb.epoch(cursor.epoch, cursor.global_step, {**row, f"best_{self.monitor}": cursor.best})
-            if cursor.epoch == cfg.epochs or self._patience_spent(cursor):
-                final = {k: v for k, v in row.items() if k.startswith(("train_", "val_"))}
-                tb.hparams(self._config_record, {**final, f"best_{self.monitor}": cursor.best}, step=cursor.global_step)
+        if self._observers.wants("on_epoch_written"):
+            self._observers.call("on_epoch_written", self, row, cursor,
+                                 cursor.epoch == cfg.epochs or self._patience_spent(cursor))
         if cfg.ema_decay is not None:
             with self._ema_weights(), _writing(self.run_dir / EMA_WEIGHTS):
                 self.save_weights(self.run_dir / EMA_WEIGHTS)
@@ -511,8 +516,7 @@ class Trainer:
             self._dry_run(None, data)
         assert self._eval_loss is not None
         batches, layout = self._eval_batches(data)
-        if self._diag is not None:
-            batches = self._diag.timed(batches, "eval", 0)
+        batches = self._observers.batches(batches, "eval", 0)
         keep_rows = self.metrics_fn is not None or self.task == "multilabel" or self._eval_loss.per_sample is None
         acc = EvalAccumulator(self.task, rt.device, self._eval_loss, RowCollector(rt, st, layout) if keep_rows else None,
                               top_k=self.config.top_k)
@@ -726,36 +730,31 @@ class Trainer:
         accum, num_steps = cfg.grad_accum_steps, feed.steps_per_epoch
         every = self.checkpoint.every_steps if self.checkpoint.enabled else None
         self.model.train()
-        batches = feed.batches(cursor.epoch, cursor.step)
-        if self._diag is not None:
-            batches = self._diag.timed(batches, "train", cursor.epoch, first_step=cursor.step + 1)
-        progress = EpochProgress(
-            cursor.epoch, num_steps, cursor.step, samples_per_step=self.global_batch_size,
-            interactive=self._interactive, log=self._say, start_loss_sum=self._start_loss_sum,
-            rate_note=self.throughput.text if self.throughput is not None else None,
-        )
+        obs = self._observers
+        batches = obs.batches(feed.batches(cursor.epoch, cursor.step), "train", cursor.epoch, cursor.step + 1)
+        meter = IntervalMeter(cursor.step, samples_per_step=self.global_batch_size, start_loss_sum=self._start_loss_sum)
         started, first_step = time.perf_counter(), cursor.step
         self._start_loss_sum = None  # later epochs start from zero
-        trace, before = self._trace, (cursor.epoch - 1) * num_steps  # the trace counts over the run
+        step_start, step_end = obs.hooks("on_step_start"), obs.hooks("on_step_end")
+        before = (cursor.epoch - 1) * num_steps  # the trace counts over the run
         last_logged, fetch_started, extra = cursor.step, time.perf_counter(), False
-        with progress:  # the bar goes however the epoch ends (preemption, NaN, error)
+        with obs.epoch(self, cursor.epoch, cursor.step, num_steps):  # the bar goes however the epoch ends
             for step, batch in enumerate(batches, start=cursor.step + 1):
                 if step > num_steps:
                     extra = True  # a source that gives more batches than it announced: the schedule ends at that count
                     break
                 input_wait_s = time.perf_counter() - fetch_started
-                if trace is not None:
-                    trace.before_step(before + step)
+                for fn in step_start:
+                    fn(before + step)
                 last_micro = step % accum == 0
                 self._train_step(batch, cursor, step, last_micro, sums)
-                if trace is not None:
-                    trace.after_step(before + step, input_wait_s)
-                progress.advance(step)
+                for fn in step_end:
+                    fn(step, before + step, input_wait_s)
                 if step % cfg.log_every == 0 and step < num_steps:
                     # A micro step before its optimizer step is plotted at that coming step, so
                     # every point logged after a checkpoint at step T lies after T.
                     tb_step = cursor.global_step + (0 if last_micro else 1)
-                    show = self._interval(progress, cursor.epoch, last_logged + 1, step, tb_step)
+                    show = self._interval(meter, cursor.epoch, last_logged + 1, step, tb_step)
                     rt.defer(show, [st.all_reduce_mean(sums["loss"]), sums["nonfinite"]])
                     last_logged = step
                 if self._nonfinite is not None:
@@ -1104,11 +1103,11 @@ class Trainer:
 
     def _save_checkpoint(self, cursor: Cursor, sums: dict[str, torch.Tensor]) -> Path | None:
         path = self._write_checkpoint(cursor, sums)
-        if self._callbacks.wants("on_checkpoint"):
+        if self._observers.wants("on_checkpoint"):
             st = self.strategy
             if st.num_processes > 1:  # the main process wrote it: every process hears of it once it is complete
                 path = next((Path(p) for p in st.gather_objects(str(path) if path else None) if p), None)
-            self._callbacks.call("on_checkpoint", self, path)
+            self._observers.call("on_checkpoint", self, path)
         return path
 
     def _write_checkpoint(self, cursor: Cursor, sums: dict[str, torch.Tensor]) -> Path | None:
@@ -1234,9 +1233,10 @@ class Trainer:
         return self.runtime.wrap_loader(host, self.strategy.input_sharding), sampler
 
     def _interval(
-        self, progress: EpochProgress, epoch: int, first: int, step: int, tb_step: int
+        self, meter: IntervalMeter, epoch: int, first: int, step: int, tb_step: int
     ) -> Callable[[torch.Tensor, torch.Tensor], None]:
-        """The deferred read of one log interval: progress line or bar, TensorBoard, NaN check."""
+        """The deferred read of one log interval: its figures to the observers (progress line or
+        bar, TensorBoard, callbacks), and the NaN check."""
         lr = self.optimizer.param_groups[0]["lr"]  # now: the read may run steps later
         if isinstance(lr, torch.Tensor) and lr.device.type != "cpu":
             lr = None  # a capturable optimizer keeps it on the device; not worth a read
@@ -1246,15 +1246,13 @@ class Trainer:
             if bad > 0 and self.config.nan_policy == "stop":
                 # Raised by the training loop right after this read, not inside the runtime's callback.
                 self._nonfinite = (epoch, first, step, int(bad))
-            stats = progress.report(step, loss_sum=float(mean_loss_sum), nonfinite=bad)
+            stats = meter.measure(step, loss_sum=float(mean_loss_sum), nonfinite=bad)
             figures = self.throughput.figures(stats.samples_per_s) if self.throughput is not None else {}
-            if self._tb is not None:
-                self._tb.interval(tb_step, loss=stats.interval_loss, lr=lr, samples_per_s=stats.samples_per_s, **figures)
-            if self._callbacks.wants("on_interval"):
-                self._callbacks.call("on_interval", self, {
-                    "epoch": epoch, "step": step, "global_step": tb_step, "loss": stats.interval_loss,
-                    "lr": float(lr) if lr is not None else None, "samples_per_s": stats.samples_per_s, **figures,
-                })
+            self._observers.call("on_interval", self, {
+                "epoch": epoch, "step": step, "global_step": tb_step, "loss": stats.interval_loss,
+                "epoch_loss": stats.epoch_loss, "nonfinite_steps": stats.nonfinite,
+                "lr": float(lr) if lr is not None else None, "samples_per_s": stats.samples_per_s, **figures,
+            })
 
         return show
 
