@@ -877,7 +877,7 @@ class Trainer:
         with contextlib.nullcontext() if last_micro else st.no_sync(model), _in_step(self, cursor, step) as where:
             with self.precision.autocast():
                 outputs = self._forward(*args)
-                where[0] = f"loss_fn {self.loss_fn!r}"
+                where[0] = "loss"  # described only if it raises: a loss's repr can be long to build
                 loss, terms = loss_terms(self.loss_fn(outputs, targets))  # shapes only: no sync
                 where[0] = "backward"
             if not loss.requires_grad:  # host metadata: no device read
@@ -1350,14 +1350,16 @@ def _required_positional(fn: Callable[..., Any]) -> int:
 def _in_step(trainer: Trainer, cursor: Cursor, step: int) -> Iterator[list[str]]:
     """An error raised in a training step keeps its traceback and says where: epoch, step, which
     function (the model, the loss, backward) and, for a map-style dataset, the batch's samples."""
-    where = [f"the model's forward ({type(trainer.strategy.unwrap(trainer.model)).__name__})"]
+    where = ["forward"]
     try:
         yield where
     except Exception as exc:
         if hasattr(exc, "add_note"):
             indices = trainer._feed.sample_indices(cursor.epoch, step) if trainer._feed is not None else None
+            what = {"forward": f"the model's forward ({type(trainer.strategy.unwrap(trainer.model)).__name__})",
+                    "loss": f"loss_fn {trainer.loss_fn!r}"}.get(where[0], where[0])
             exc.add_note(
-                f"xlatrain: raised in {where[0]} at epoch {cursor.epoch} step {step}"
+                f"xlatrain: raised in {what} at epoch {cursor.epoch} step {step}"
                 + (f"; this process's batch holds the dataset's sample indices {indices}" if indices else "")
             )
         raise
