@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 
 import simplejpeg
 
+from xlatrain import storage
 from xlatrain.checkpoint import atomic_write_bytes, atomic_write_text
 from xlatrain.data.decode import decode
 from xlatrain.data.shards import (
@@ -152,7 +153,7 @@ class SkippedRow:
 class PackSummary:
     """What :func:`pack` did."""
 
-    out_dir: Path
+    out_dir: Path | str  # a local directory, or an object-storage URL
     num_rows: int
     num_records: int
     num_bytes: int
@@ -173,7 +174,7 @@ class PackSummary:
             + (", ".join(self.label_names) or "none")
         ]
         if self.skipped:
-            lines.append(f"skipped {self.num_skipped} row(s) (all listed in {self.out_dir / MANIFEST_NAME}):")
+            lines.append(f"skipped {self.num_skipped} row(s) (all listed in {self.out_dir}/{MANIFEST_NAME}):")
             lines += [f"  line {s.line}: {s.path}: {s.reason}" for s in self.skipped[:max_listed]]
             if self.num_skipped > max_listed:
                 lines.append(f"  ... and {self.num_skipped - max_listed} more")
@@ -361,6 +362,88 @@ def _count_lines(path: Path) -> int:
         return sum(block.count(b"\n") for block in iter(lambda: f.read(8 << 20), b""))
 
 
+class _LocalOut:
+    """Where a pack writes: a local directory. Each file is written atomically (temp + rename)."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.root = out_dir
+
+    def check(self) -> None:
+        _check_out_dir(self.root)
+
+    def prepare(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def read_text(self, name: str) -> str | None:
+        path = self.root / name
+        return path.read_text() if path.is_file() else None
+
+    def holds(self, name: str, num_bytes: int, digest: str) -> bool:
+        # Named by content: a file of that name and size is this shard unless it rotted on disk.
+        path = self.root / name
+        return path.is_file() and path.stat().st_size == num_bytes and file_sha256(path) == digest
+
+    def write(self, name: str, blob: bytes) -> None:
+        atomic_write_bytes(self.root / name, blob)
+
+    def write_text(self, name: str, text: str) -> None:
+        atomic_write_text(self.root / name, text)
+
+    def remove_shards_except(self, keep: set[str]) -> None:
+        for stale in self.root.glob(f"shard-*{SHARD_SUFFIX}"):
+            if stale.name not in keep:
+                stale.unlink()
+
+
+class _StorageOut:
+    """Where a pack writes: object storage (``gs://bucket/shards``).
+
+    An object store has no rename; each object is written whole, so a reader sees an object
+    complete or not at all. The manifest is the commit: it is written after every shard it names,
+    so a reader finds either the earlier pack whole (its shards are removed only after the new
+    manifest is in place) or the new one whole, and a pack killed part way leaves the earlier
+    manifest in force and the shards it wrote, which the next pack finds and keeps.
+    """
+
+    def __init__(self, url: str) -> None:
+        self.root = url.rstrip("/")
+        self.fs, self.path = storage.filesystem(self.root)
+
+    def check(self) -> None:
+        """The bucket exists and answers, before any image is read."""
+        bucket = self.path.split("/", 1)[0]
+        if not storage.retrying("looking up", self.root, lambda: self.fs.exists(bucket)):
+            raise storage.StorageError(
+                f"--out {self.root}: the bucket {bucket} does not exist (or is not visible to this machine's "
+                "credentials). Create it first (gcloud storage buckets create gs://BUCKET), or fix the name")
+
+    def prepare(self) -> None:
+        pass  # objects need no directory
+
+    def read_text(self, name: str) -> str | None:
+        url = storage.join(self.root, name)
+        return storage.read_bytes(url).decode() if storage.exists(url) else None
+
+    def holds(self, name: str, num_bytes: int, digest: str) -> bool:
+        # Named by the content's SHA-256 prefix and written whole: the name and size are the shard.
+        url = storage.join(self.root, name)
+        return storage.exists(url) and storage.size(url) == num_bytes
+
+    def write(self, name: str, blob: bytes) -> None:
+        storage.write_bytes(storage.join(self.root, name), blob)
+
+    def write_text(self, name: str, text: str) -> None:
+        storage.write_bytes(storage.join(self.root, name), text.encode())
+
+    def remove_shards_except(self, keep: set[str]) -> None:
+        names = storage.retrying("listing", self.root, lambda: self.fs.ls(self.path, detail=False)) \
+            if storage.exists(self.root) else []
+        for full in names:
+            name = full.rstrip("/").rsplit("/", 1)[-1]
+            if name.startswith("shard-") and name.endswith(SHARD_SUFFIX) and name not in keep:
+                storage.retrying("removing", storage.join(self.root, name), lambda p=full: self.fs.rm_file(p))
+
+
 def pack(
     csv_path: str | os.PathLike[str], image_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], **options: Any
 ) -> PackSummary:
@@ -382,24 +465,31 @@ def pack(
         ...      labels=["pe_present_on_image", "*_pe"], group="StudyInstanceUID", workers=4)
     """
     opts = PackOptions(**options)
-    csv_path, image_dir, out_dir = Path(csv_path), Path(image_dir), Path(out_dir)
+    csv_path, image_dir = Path(csv_path), Path(image_dir)
+    remote = storage.is_url(out_dir)
+    out: _LocalOut | _StorageOut = _StorageOut(str(out_dir)) if remote else _LocalOut(Path(out_dir))
     if not csv_path.is_file():
         raise ValueError(f"CSV file {csv_path} does not exist: give --csv the CSV with one row per image")
     if not image_dir.is_dir():
         raise ValueError(
             f"image folder {image_dir} does not exist: give --images the folder the CSV's image paths are relative to"
         )
-    _check_out_dir(out_dir)
+    out.check()
     template = opts.template
-    # Paths relative to the pack: the record stays true when the whole tree moves.
+
+    def where(path: Path) -> str:
+        # Paths relative to a local pack: the record stays true when the whole tree moves. A pack
+        # on object storage records where it was packed from on this machine.
+        return str(path.resolve()) if remote else os.path.relpath(path.resolve(), Path(out_dir).resolve())
+
     source = {
-        "csv": os.path.relpath(csv_path.resolve(), out_dir.resolve()), "csv_sha256": file_sha256(csv_path),
-        "images": os.path.relpath(image_dir.resolve(), out_dir.resolve()),
+        "csv": where(csv_path), "csv_sha256": file_sha256(csv_path),
+        "images": where(image_dir),
         "labels": list(opts.labels), "group": opts.group, "path_template": template, "max_side": opts.max_side,
         "quality": opts.quality if opts.max_side is not None else None, "shard_bytes": opts.shard_bytes,
     }
     if not opts.replace:
-        _refuse_other_inputs(out_dir, source)
+        _refuse_other_inputs(out, source)
     # utf-8-sig: spreadsheets write a byte-order mark before the header.
     with open(csv_path, newline="", encoding="utf-8-sig") as csv_file:
         reader = csv.DictReader(csv_file)
@@ -411,7 +501,7 @@ def pack(
         label_names = _resolve_labels(opts.labels, columns, set(needed))
         rows = _read_rows(reader, csv_path, image_dir, template, label_names, opts.group)
 
-        out_dir.mkdir(parents=True, exist_ok=True)
+        out.prepare()
         progress = _Progress(opts.progress, max(_count_lines(csv_path) - 1, 0), "pack")
         shards: list[dict[str, Any]] = []
         skipped: list[SkippedRow] = []
@@ -423,10 +513,8 @@ def pack(
             blob = encode_shard(current, label_names)
             digest = hashlib.sha256(blob).hexdigest()
             name = f"shard-{len(shards):05d}-{digest[:12]}{SHARD_SUFFIX}"
-            path = out_dir / name
-            # Named by content: a file of that name and size is this shard unless it rotted on disk.
-            if not (path.is_file() and path.stat().st_size == len(blob) and file_sha256(path) == digest):
-                atomic_write_bytes(path, blob)
+            if not out.holds(name, len(blob), digest):
+                out.write(name, blob)
                 written += 1
             shards.append({"name": name, "num_records": len(current), "num_bytes": len(blob), "sha256": digest})
             current, current_bytes = [], 0
@@ -466,16 +554,12 @@ def pack(
         "skipped": [{"line": s.line, "path": s.path, "reason": s.reason} for s in skipped],
     }
     manifest_text = json.dumps(manifest, indent=1) + "\n"
-    manifest_path = out_dir / MANIFEST_NAME
-    if not (manifest_path.is_file() and manifest_path.read_text() == manifest_text):
-        atomic_write_text(manifest_path, manifest_text)
+    if out.read_text(MANIFEST_NAME) != manifest_text:
+        out.write_text(MANIFEST_NAME, manifest_text)
     # Only after the new manifest is in place: shards of an earlier pack that it no longer names.
-    keep = {s["name"] for s in shards}
-    for stale in out_dir.glob(f"shard-*{SHARD_SUFFIX}"):
-        if stale.name not in keep:
-            stale.unlink()
+    out.remove_shards_except({s["name"] for s in shards})
     return PackSummary(
-        out_dir=out_dir,
+        out_dir=out.root,
         num_rows=num_rows,
         num_records=manifest["num_records"],
         num_bytes=num_bytes,
@@ -495,17 +579,17 @@ def _check_out_dir(out_dir: Path) -> None:
             return
 
 
-def _refuse_other_inputs(out_dir: Path, source: dict[str, Any]) -> None:
-    """An earlier pack in ``out_dir`` is updated only when made from the same inputs."""
-    manifest_path = out_dir / MANIFEST_NAME
-    if not manifest_path.is_file():
+def _refuse_other_inputs(out: _LocalOut | _StorageOut, source: dict[str, Any]) -> None:
+    """An earlier pack in ``out`` is updated only when made from the same inputs."""
+    text = out.read_text(MANIFEST_NAME)
+    if text is None:
         return
     try:
-        earlier = json.loads(manifest_path.read_text())
+        earlier = json.loads(text)
     except ValueError:
         earlier = {}
     before = earlier.get("source")
-    what = f"{out_dir} holds an earlier pack of {earlier.get('num_records', '?')} records"
+    what = f"{out.root} holds an earlier pack of {earlier.get('num_records', '?')} records"
     fix = "Pass --replace (pack(..., replace=True)) to replace it, or give --out another directory"
     if before is None:
         raise ValueError(f"{what} whose inputs are not recorded, so this pack may not be of the same data. {fix}")

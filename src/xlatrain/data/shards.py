@@ -19,6 +19,7 @@ and yields uint8 ``(B, C, H, W)`` images; convert them on the device with
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import json
 import math
@@ -42,6 +43,7 @@ import numpy as np
 import simplejpeg
 import torch
 
+from xlatrain import storage
 from xlatrain.data.decode import as_size, dct_request, decode, rotate, to_tensor
 from xlatrain.data.sampling import EvalSampler
 from xlatrain.data.source import train_steps_per_epoch
@@ -147,74 +149,122 @@ def _repair_hint(root: Path | str) -> str:
     )
 
 
+class _RemoteTail:
+    """``pread`` on an object in storage: the object's last MiB (trailer, meta and, for shards of
+    up to some 20k records, the tables) comes in one ranged read, anything else in its own."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.size = storage.size(url)
+        self._tail_start = max(0, self.size - (1 << 20))
+        self._tail = storage.read_bytes(url, self._tail_start, self.size)
+
+    def __call__(self, length: int, offset: int) -> bytes:
+        if offset >= self._tail_start:
+            return self._tail[offset - self._tail_start: offset - self._tail_start + length]
+        return storage.read_bytes(self.url, offset, min(offset + length, self.size))
+
+
+def _shard_path(root: Path | str, name: str) -> Path | str:
+    return storage.join(root, name) if isinstance(root, str) else root / name
+
+
 def read_shard_index(path: str | os.PathLike[str], *, expected_bytes: int | None = None) -> ShardIndex:
-    """Parse a shard file's index (not its images); ``ShardError`` names the shard on any defect."""
+    """Parse a shard file's index (not its images); ``ShardError`` names the shard on any defect.
+
+    ``path`` is a local file or an object-storage URL (the index is read with ranged reads)."""
+    if storage.is_url(path):
+        url = str(path)
+        name = url.rstrip("/").rsplit("/", 1)[-1]
+        try:
+            tail = _RemoteTail(url)
+        except storage.StorageError as exc:
+            if isinstance(exc.__cause__, FileNotFoundError):
+                raise ShardError(f"shard {name} is missing ({url})") from None
+            raise ShardError(f"shard {name} is unreadable: {exc}") from None
+        return _parse_shard_index(name, tail.size, tail, expected_bytes)
     path = Path(path)
     name = path.name
-
-    def bad(problem: str) -> ShardError:
-        return ShardError(f"shard {name} is {problem}")
-
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
-        raise bad("missing") from None
+        raise ShardError(f"shard {name} is missing") from None
     except OSError as exc:
-        raise bad(f"unreadable ({exc.strerror})") from None
+        raise ShardError(f"shard {name} is unreadable ({exc.strerror})") from None
     try:
-        size = os.fstat(fd).st_size
-        if expected_bytes is not None and size != expected_bytes:
-            what = "truncated" if size < expected_bytes else "longer than expected"
-            raise bad(f"{what}: {size} bytes on disk, the manifest says {expected_bytes}")
-        if size < len(SHARD_MAGIC) + _TRAILER.size or os.pread(fd, len(SHARD_MAGIC), 0) != SHARD_MAGIC:
-            raise bad("not an xlatrain shard (bad header)")
-        meta_start, meta_len, magic = _TRAILER.unpack(os.pread(fd, _TRAILER.size, size - _TRAILER.size))
-        if magic != TRAILER_MAGIC or meta_start + meta_len != size - _TRAILER.size:
-            raise bad("truncated or corrupt (no valid end marker)")
-        try:
-            meta = json.loads(os.pread(fd, meta_len, meta_start))
-            num = int(meta["num_records"])
-            arrays = {}
-            for key, (start, dtype, shape) in meta["tables"].items():
-                dt = np.dtype(dtype)
-                nbytes = dt.itemsize * math.prod(shape)
-                if start < len(SHARD_MAGIC) or start + nbytes > meta_start:
-                    raise ValueError(f"table {key} lies outside the file")
-                arrays[key] = np.frombuffer(os.pread(fd, nbytes, start), dtype=dt).reshape(shape)
-            starts = arrays["starts"].astype(np.int64)
-            index = ShardIndex(
-                name=name,
-                num_records=num,
-                starts=starts,
-                crc32=arrays["crc32"].astype(np.uint32),
-                height=arrays["height"].astype(np.int64),
-                width=arrays["width"].astype(np.int64),
-                channels=arrays["channels"].astype(np.int64),
-                labels=arrays["labels"].astype(np.float32),
-                label_names=tuple(meta["label_names"]),
-                groups=list(meta["groups"]),
-                paths=list(meta["paths"]),
-            )
-        except (ValueError, KeyError, TypeError) as exc:  # JSONDecodeError is a ValueError
-            raise bad(f"corrupt (unreadable index: {exc})") from None
-        sizes_ok = (
-            len(starts) == num + 1
-            and all(len(a) == num for a in (index.crc32, index.height, index.width, index.channels, index.labels))
-            and len(index.groups) == len(index.paths) == num
-            and index.labels.shape[1:] == (len(index.label_names),)
-        )
-        if not sizes_ok or (num and (starts[0] < len(SHARD_MAGIC) or np.any(np.diff(starts) < 0))):
-            raise bad("corrupt (inconsistent index)")
-        return index
+        return _parse_shard_index(name, os.fstat(fd).st_size, lambda n, off: os.pread(fd, n, off), expected_bytes)
     finally:
         os.close(fd)
 
 
-def read_manifest(root: str | os.PathLike[str]) -> dict[str, Any]:
-    """The manifest of a shard directory, checked for format and version."""
-    path = Path(root) / MANIFEST_NAME
+def _parse_shard_index(
+    name: str, size: int, pread: Any, expected_bytes: int | None
+) -> ShardIndex:
+    """The index of a shard of ``size`` bytes whose bytes ``pread(length, offset)`` returns."""
+
+    def bad(problem: str) -> ShardError:
+        return ShardError(f"shard {name} is {problem}")
+
+    if expected_bytes is not None and size != expected_bytes:
+        what = "truncated" if size < expected_bytes else "longer than expected"
+        raise bad(f"{what}: {size} bytes on disk, the manifest says {expected_bytes}")
+    if size < len(SHARD_MAGIC) + _TRAILER.size or pread(len(SHARD_MAGIC), 0) != SHARD_MAGIC:
+        raise bad("not an xlatrain shard (bad header)")
+    meta_start, meta_len, magic = _TRAILER.unpack(pread(_TRAILER.size, size - _TRAILER.size))
+    if magic != TRAILER_MAGIC or meta_start + meta_len != size - _TRAILER.size:
+        raise bad("truncated or corrupt (no valid end marker)")
     try:
-        manifest = json.loads(path.read_text())
+        meta = json.loads(pread(meta_len, meta_start))
+        num = int(meta["num_records"])
+        arrays = {}
+        for key, (start, dtype, shape) in meta["tables"].items():
+            dt = np.dtype(dtype)
+            nbytes = dt.itemsize * math.prod(shape)
+            if start < len(SHARD_MAGIC) or start + nbytes > meta_start:
+                raise ValueError(f"table {key} lies outside the file")
+            arrays[key] = np.frombuffer(pread(nbytes, start), dtype=dt).reshape(shape)
+        starts = arrays["starts"].astype(np.int64)
+        index = ShardIndex(
+            name=name,
+            num_records=num,
+            starts=starts,
+            crc32=arrays["crc32"].astype(np.uint32),
+            height=arrays["height"].astype(np.int64),
+            width=arrays["width"].astype(np.int64),
+            channels=arrays["channels"].astype(np.int64),
+            labels=arrays["labels"].astype(np.float32),
+            label_names=tuple(meta["label_names"]),
+            groups=list(meta["groups"]),
+            paths=list(meta["paths"]),
+        )
+    except (ValueError, KeyError, TypeError) as exc:  # JSONDecodeError is a ValueError
+        raise bad(f"corrupt (unreadable index: {exc})") from None
+    sizes_ok = (
+        len(starts) == num + 1
+        and all(len(a) == num for a in (index.crc32, index.height, index.width, index.channels, index.labels))
+        and len(index.groups) == len(index.paths) == num
+        and index.labels.shape[1:] == (len(index.label_names),)
+    )
+    if not sizes_ok or (num and (starts[0] < len(SHARD_MAGIC) or np.any(np.diff(starts) < 0))):
+        raise bad("corrupt (inconsistent index)")
+    return index
+
+
+def read_manifest(root: str | os.PathLike[str]) -> dict[str, Any]:
+    """The manifest of a shard directory (local, or an object-storage URL), checked for format and version."""
+    path: Path | str
+    try:
+        if storage.is_url(root):
+            path = storage.join(str(root), MANIFEST_NAME)
+            try:
+                manifest = json.loads(storage.read_bytes(path))
+            except storage.StorageError as exc:
+                if isinstance(exc.__cause__, FileNotFoundError):
+                    raise FileNotFoundError(path) from None
+                raise
+        else:
+            path = Path(root) / MANIFEST_NAME
+            manifest = json.loads(path.read_text())
     except FileNotFoundError:
         raise ValueError(f"{path} does not exist: pack a dataset into {root} with `xlatrain pack` first") from None
     except json.JSONDecodeError as exc:
@@ -229,7 +279,12 @@ def read_manifest(root: str | os.PathLike[str]) -> dict[str, Any]:
 
 def file_sha256(path: str | os.PathLike[str]) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    if storage.is_url(path):
+        fs, object_path = storage.filesystem(str(path))
+        opened = storage.retrying("reading", str(path), lambda: fs.open(object_path, "rb", block_size=8 << 20))
+    else:
+        opened = open(path, "rb")
+    with opened as f:
         while block := f.read(8 << 20):
             digest.update(block)
     return digest.hexdigest()
@@ -241,15 +296,26 @@ def iter_records(root: str | os.PathLike[str]) -> Iterator[ShardRecord]:
     Raises ``ShardError`` for a missing or truncated shard; bytes are returned as stored (check
     them with :func:`xlatrain.data.pack.verify`).
     """
-    root = Path(root)
+    root = str(root) if storage.is_url(root) else Path(root)
     manifest = read_manifest(root)
     for entry in manifest["shards"]:
-        index = read_shard_index(root / entry["name"], expected_bytes=entry["num_bytes"])
-        with open(root / entry["name"], "rb") as f:
+        path = _shard_path(root, entry["name"])
+        index = read_shard_index(path, expected_bytes=entry["num_bytes"])
+        with contextlib.ExitStack() as stack:
+            if isinstance(path, str):  # a remote shard is read whole, once
+                blob = storage.read_bytes(path)
+
+                def record(i: int) -> bytes:
+                    return blob[int(index.starts[i]): int(index.starts[i + 1])]
+            else:
+                f = stack.enter_context(open(path, "rb"))
+
+                def record(i: int) -> bytes:
+                    f.seek(index.starts[i])
+                    return f.read(int(index.starts[i + 1] - index.starts[i]))
             for i in range(index.num_records):
-                f.seek(index.starts[i])
                 yield ShardRecord(
-                    data=f.read(int(index.starts[i + 1] - index.starts[i])),
+                    data=record(i),
                     labels=tuple(float(v) for v in index.labels[i]),
                     group=index.groups[i],
                     path=index.paths[i],
@@ -329,6 +395,9 @@ class ShardOptions:
             data once). Records are always checked against their CRC32: by each process the
             first time it reads them, and again after their shard file changes (its size or
             modification time).
+        remote_requests: when ``root`` is on object storage (``gs://...``), the ranged reads each
+            process keeps in flight at once; each process fetches only its own records, the
+            next ``prefetch_batches`` batches ahead of the one it decodes.
     """
 
     image_size: int | tuple[int, int] | None = None
@@ -343,6 +412,7 @@ class ShardOptions:
     pin_memory: bool = False
     on_error: str = "raise"
     verify_checksums: bool = False
+    remote_requests: int = 16
 
     def __post_init__(self) -> None:
         if self.image_size is not None:
@@ -358,7 +428,7 @@ class ShardOptions:
             raise ValueError(f"augment={self.augment!r} is not valid: pass an Augment(...) or None")
         if self.shuffle_window is not None and (isinstance(self.shuffle_window, bool) or self.shuffle_window < 1):
             raise ValueError(f"shuffle_window={self.shuffle_window!r} is not valid: use a record count >= 1, or None")
-        for name, minimum in (("num_workers", 0), ("prefetch_batches", 1)):
+        for name, minimum in (("num_workers", 0), ("prefetch_batches", 1), ("remote_requests", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"{name}={value!r} is not valid: it must be an integer >= {minimum}")
@@ -432,7 +502,7 @@ class _BadRecord(Exception):
 class _Index:
     """Every manifest record (rows of dropped shards have ``length == -1``)."""
 
-    root: Path
+    root: Path | str  # a local directory, or an object-storage URL
     shard_names: list[str]
     shard: np.ndarray
     local: np.ndarray
@@ -449,6 +519,83 @@ class _Index:
     dropped: list[tuple[str, int, str]]  # (shard, records, reason) left out under on_error="skip"
 
 
+class _RemoteRecords:
+    """Record bytes from object storage, for one process.
+
+    A batch's records come in one fetch: a ranged read per record (records that lie back to back
+    in a shard share one read), up to ``requests`` of them in flight at once. :meth:`start` runs
+    a batch's fetch in a background thread ahead of its decode, so the next batches' bytes are on
+    their way while this one decodes. Only the records of this process's batches are fetched,
+    nothing is kept from one batch to the next, and a fetch that fails for a reason that can pass
+    is retried (``storage.retrying``), each retry logged, then raised with the URL and the fix.
+    """
+
+    def __init__(self, root: str, paths: list[str], requests: int) -> None:
+        self.root, self.paths, self.requests = root, paths, requests
+        self._pid: int | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"root": self.root, "paths": self.paths, "requests": self.requests, "_pid": None}
+
+    def _own(self) -> None:
+        if self._pid != os.getpid():  # first use, or a forked worker: a thread and a client of its own
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pid = os.getpid()
+            self._fs = storage.filesystem(self.root)[0]
+            self._object_paths = [storage.filesystem(p)[1] for p in self.paths]
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="xlatrain-fetch")
+            self._pending: dict[bytes, Any] = {}
+            self._bytes: dict[tuple[int, int], memoryview] = {}
+
+    def start(self, gids: np.ndarray, index: _Index) -> None:
+        try:
+            self._own()
+        except storage.StorageError:
+            return  # the batch's own fetch raises it, where the error is reported
+        key = gids.tobytes()
+        if key not in self._pending and len(self._pending) < 64:
+            self._pending[key] = self._pool.submit(self._fetch, gids.copy(), index)
+
+    def fetch_now(self, gids: np.ndarray, index: _Index) -> None:
+        """Make the bytes of ``gids`` ready for :meth:`take`: from a fetch :meth:`start` began, or now."""
+        self._own()
+        future = self._pending.pop(gids.tobytes(), None)
+        self._bytes = future.result() if future is not None else self._fetch(gids, index)
+
+    def take(self, shard: int, start: int) -> memoryview:
+        return self._bytes[shard, start]
+
+    def _fetch(self, gids: np.ndarray, index: _Index) -> dict[tuple[int, int], memoryview]:
+        keep = index.length[gids] >= 0  # records of a shard left out under on_error="skip" are not read
+        records = sorted({(int(s), int(a), int(n)) for s, a, n in
+                          zip(index.shard[gids][keep], index.start[gids][keep], index.length[gids][keep])})
+        reads: list[list[Any]] = []  # [shard, start, end, [(start, length), ...]]
+        for shard, start, length in records:
+            if reads and reads[-1][0] == shard and reads[-1][2] == start:
+                reads[-1][2] = start + length
+                reads[-1][3].append((start, length))
+            else:
+                reads.append([shard, start, start + length, [(start, length)]])
+
+        def get() -> list[bytes]:
+            blobs = self._fs.cat_ranges([self._object_paths[r[0]] for r in reads], [r[1] for r in reads],
+                                        [r[2] for r in reads], batch_size=self.requests, on_error="return")
+            for blob, read in zip(blobs, reads):
+                if isinstance(blob, BaseException):
+                    blob.add_note(f"xlatrain: reading {self.paths[read[0]]} bytes {read[1]}..{read[2]}")
+                    raise blob
+            return blobs
+
+        blobs = storage.retrying("reading records of", self.root, get)
+        out: dict[tuple[int, int], memoryview] = {}
+        for (shard, first, _, parts), blob in zip(reads, blobs):
+            view = memoryview(blob)
+            for start, length in parts:  # a short (truncated) object gives short records: reported by _read
+                out[shard, start] = view[start - first: start - first + length]
+        return out
+
+
 class _BatchReader:
     """Decodes one batch per call into rows it is given; picklable (open files are per process)."""
 
@@ -463,7 +610,11 @@ class _BatchReader:
         # shard truncated in place while mapped would kill the process with SIGBUS, so the
         # main process, which runs the training step, keeps to pread.
         self.map_files = False
-        self._paths = [str(index.root / name) for name in index.shard_names]
+        self._paths = [str(_shard_path(index.root, name)) for name in index.shard_names]
+        # Object storage: a batch's records come in one concurrent ranged fetch, started ahead
+        # of its decode (see _RemoteRecords); None for local shards.
+        self._remote = _RemoteRecords(str(index.root), self._paths, options.remote_requests) \
+            if storage.is_url(index.root) else None
         self._fds: dict[int, int] = {}
         self._views: dict[int, memoryview] = {}
         self._pid = os.getpid()
@@ -479,6 +630,13 @@ class _BatchReader:
         state = self.__dict__.copy()
         state["_fds"], state["_views"] = {}, {}
         return state
+
+    def prefetch(self, positions: np.ndarray) -> None:
+        """Start fetching the records at dataset ``positions`` from object storage (no-op for
+        local shards), so that the bytes are here when :meth:`fill` decodes them."""
+        if self._remote is not None:
+            gids = self.ids[positions]
+            self._remote.start(gids, self.index)
 
     def __del__(self) -> None:
         if getattr(self, "_pid", None) == os.getpid():
@@ -496,6 +654,8 @@ class _BatchReader:
         """Which records of ``gids`` (in ``shards``) this process has yet to check against their CRC32."""
         if self._checked is None:
             self._checked = np.zeros(len(self.index.length), dtype=bool)
+        if self._remote is not None:
+            return [True] * len(gids)  # bytes off the network: every record is checked, every time
         for shard in shards:
             try:
                 info = os.stat(self._paths[shard])
@@ -534,7 +694,9 @@ class _BatchReader:
         """A record's bytes, checked against ``crc`` unless it is ``None``."""
         if length < 0:
             raise _BadRecord("its shard could not be opened")
-        if self.map_files:
+        if self._remote is not None:
+            data = self._remote.take(shard, start)
+        elif self.map_files:
             view = self._views.get(shard)
             data = (view if view is not None else self._map(shard))[start : start + length]
         else:
@@ -550,6 +712,8 @@ class _BatchReader:
         the caller broadcasts it, which is cheaper than libjpeg's grey-to-RGB conversion."""
         ix = self.index
         self._own_files()
+        if self._remote is not None:
+            self._remote.fetch_now(np.array([gid]), ix)
         data = self._read(int(ix.shard[gid]), int(ix.start[gid]), int(ix.length[gid]), int(ix.crc32[gid]))
         channels = 1 if ix.channels[gid] == 1 else self.options.channels
         return self._decode(data, (int(ix.height[gid]), int(ix.width[gid])), channels, None, None)
@@ -584,7 +748,7 @@ class _BatchReader:
         ix = self.index
         shard = ix.shard_names[int(ix.shard[gid])]
         try:
-            path = read_shard_index(ix.root / shard).paths[int(ix.local[gid])]
+            path = read_shard_index(_shard_path(ix.root, shard)).paths[int(ix.local[gid])]
         except ShardError:
             path = "unknown"
         return f"record {int(ix.local[gid])} of shard {shard} (source {path})"
@@ -622,6 +786,8 @@ class _BatchReader:
         geometric = aug is not None and (aug.crop_scale is not None or aug.rotate_degrees != 0)
         gids = self.ids[positions]
         self._own_files()
+        if self._remote is not None:
+            self._remote.fetch_now(gids, ix)
         # Per batch, not per record: indexing numpy arrays one scalar at a time costs more
         # than reading the record.
         shards = ix.shard[gids].tolist()
@@ -688,6 +854,14 @@ class _BatchReader:
                 for row in bad_rows:
                     rows[row] = rows[_stand_in(row, bad_rows)]
         return tuple(bad_rows), tuple(skipped)
+
+
+def _read_ahead(reader: _BatchReader, tasks: list[_Task], depth: int) -> Iterator[Any]:
+    """``reader[task]`` of each task, the next ``depth`` tasks' records fetched meanwhile (object storage)."""
+    for k, task in enumerate(tasks):
+        for ahead in tasks[k + 1: k + 1 + depth]:
+            reader.prefetch(ahead.positions)
+        yield reader[task]
 
 
 def _stand_in(row: int, bad_rows: Sequence[int]) -> int:
@@ -764,19 +938,25 @@ def _worker_main(reader: _BatchReader, buffer: torch.Tensor, slot_bytes: int, co
     # One poll object for the life of the worker: Connection.poll builds a selector per call.
     incoming = select.poll()
     incoming.register(conn.fileno(), select.POLLIN)
+    # Tasks received and not yet decoded: the main process sends up to prefetch_batches ahead,
+    # and from object storage their records are fetched while the first one decodes.
+    queued: collections.deque[Any] = collections.deque()
     while True:
-        if not incoming.poll(1000):
+        while not queued and not incoming.poll(1000):
             if os.getppid() != parent:
                 return  # the main process is gone (this one was re-parented)
-            continue
-        try:
-            # A task from the main process over this worker's own pipe (what Connection.recv
-            # unpickles too); nothing read from disk is ever unpickled.
-            message = pickle.loads(conn.recv_bytes())
-        except (EOFError, OSError):
-            return
-        if message is None:
-            return
+        while incoming.poll(0):
+            try:
+                # A task from the main process over this worker's own pipe (what Connection.recv
+                # unpickles too); nothing read from disk is ever unpickled.
+                message = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                return
+            if message is None:
+                return
+            queued.append(message)
+            reader.prefetch(np.frombuffer(message[0], dtype=np.int64))
+        message = queued.popleft()
         positions_bytes, training, epoch, seed, slot = message
         positions = np.frombuffer(positions_bytes, dtype=np.int64)
         shape = reader.batch_shape(len(positions))
@@ -790,7 +970,7 @@ def _worker_main(reader: _BatchReader, buffer: torch.Tensor, slot_bytes: int, co
             else:
                 batch = rows[slot * slot_bytes : slot * slot_bytes + math.prod(shape)].reshape(shape)
             reply: tuple[bool, Any] = (True, (images, *reader.fill(positions, batch, training=training, epoch=epoch, seed=seed)))
-        except ShardError as exc:
+        except (ShardError, storage.StorageError) as exc:
             reply = (False, exc)
         except Exception:
             reply = (False, RuntimeError(f"a shard reader worker failed:\n{traceback.format_exc()}"))
@@ -910,7 +1090,7 @@ def _stop_workers(procs: list[multiprocessing.process.BaseProcess], conns: list[
 # The dataset
 
 
-def _open_index(root: Path, options: ShardOptions) -> _Index:
+def _open_index(root: Path | str, options: ShardOptions) -> _Index:
     manifest = read_manifest(root)
     label_names = tuple(manifest["label_names"])
     entries = manifest["shards"]
@@ -938,14 +1118,15 @@ def _open_index(root: Path, options: ShardOptions) -> _Index:
     for s, entry in enumerate(entries):
         n = int(entry["num_records"])
         try:
-            if options.verify_checksums and (root / entry["name"]).exists():
-                digest = file_sha256(root / entry["name"])
+            path = _shard_path(root, entry["name"])
+            if options.verify_checksums and (storage.exists(str(path)) if isinstance(path, str) else path.exists()):
+                digest = file_sha256(path)
                 if digest != entry["sha256"]:
                     raise ShardError(
                         f"shard {entry['name']} fails its checksum (SHA-256 {digest[:16]}..., the manifest says "
                         f"{entry['sha256'][:16]}...)"
                     )
-            shard = read_shard_index(root / entry["name"], expected_bytes=int(entry["num_bytes"]))
+            shard = read_shard_index(path, expected_bytes=int(entry["num_bytes"]))
             if shard.num_records != n or shard.label_names != label_names:
                 raise ShardError(f"shard {entry['name']} does not match the manifest (records or label names differ)")
         except ShardError as exc:
@@ -1003,7 +1184,7 @@ class ShardDataset:
     ) -> None:
         _check_option_names(options)
         opts = ShardOptions(**options)
-        root = Path(root)
+        root = str(root).rstrip("/") if storage.is_url(root) else Path(root)
         index = _open_index(root, opts)
         ids = np.arange(len(index.length), dtype=np.int64) if indices is None else self._check_ids(indices, len(index.length), "indices")
         self._setup(root, index, ids, opts)
@@ -1019,7 +1200,7 @@ class ShardDataset:
             raise ValueError(f"{name} holds values outside 0..{limit - 1}: pass positions of this dataset's records")
         return ids
 
-    def _setup(self, root: Path, index: _Index, ids: np.ndarray, options: ShardOptions) -> None:
+    def _setup(self, root: Path | str, index: _Index, ids: np.ndarray, options: ShardOptions) -> None:
         self.root, self.options, self._index = root, options, index
         present = index.length[ids] >= 0
         self._dropped_ids = ids[~present]
@@ -1162,7 +1343,7 @@ class ShardDataset:
     def _source(self, tasks: list[_Task]) -> Iterator[Any]:
         opts = self.options
         if opts.num_workers == 0:
-            return map(self._reader.__getitem__, tasks)
+            return _read_ahead(self._reader, tasks, opts.prefetch_batches)
         slot_bytes = math.prod(self._reader.batch_shape(max(len(t.positions) for t in tasks)))
         workers = self._workers
         if workers is None or workers.broken or workers.slots.slot_bytes < slot_bytes:

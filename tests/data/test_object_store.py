@@ -1,0 +1,240 @@
+"""Shards on object storage, against a real GCS API server on 127.0.0.1 (gcp-storage-emulator).
+
+Nothing here mocks the storage client: gcsfs talks HTTP to a local server that stores the objects.
+"""
+
+import functools
+import json
+import logging
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import simplejpeg
+import torch
+from torch import nn
+
+from xlatrain import TrainConfig, Trainer, storage
+from xlatrain.data import shards as shards_module
+from xlatrain.data.pack import pack
+from xlatrain.data.shards import NormalizeInput, ShardDataset, ShardError, iter_records
+from xlatrain.storage_emulator import LocalGCS
+
+pytestmark = pytest.mark.object_store
+
+NUM, SIZE, BUCKET = 90, 16, "xlt"
+REQUESTS = 4  # the local server serves a few connections at once (see xlatrain.storage_emulator)
+
+
+@pytest.fixture(scope="module")
+def gcs(tmp_path_factory):
+    # Objects on disk, so a restarted server still has them.
+    with LocalGCS(bucket=BUCKET, data_dir=tmp_path_factory.mktemp("gcs")) as server:
+        yield server
+
+
+def _source(root):
+    images = root / "img"
+    images.mkdir(parents=True)
+    yy, xx = np.mgrid[:SIZE, :SIZE]
+    lines = ["path,rid,cls,grp"]
+    for i in range(NUM):
+        plane = ((xx * 7 + yy * 3 + i * 5) % 256).astype(np.uint8)[:, :, None]
+        (images / f"{i}.jpg").write_bytes(simplejpeg.encode_jpeg(plane, quality=95, colorspace="GRAY", colorsubsampling="Gray"))
+        lines.append(f"{i}.jpg,{i},{i % 3},g{i // 4}")
+    (root / "t.csv").write_text("\n".join(lines) + "\n")
+    return root / "t.csv", images
+
+
+def _pack(csv, images, out):
+    return pack(csv, images, out, path_columns=["path"], labels=["rid", "cls"], group="grp", shard_bytes=2500,
+                progress=False)
+
+
+@pytest.fixture(scope="module")
+def packed(gcs, tmp_path_factory):
+    csv, images = _source(tmp_path_factory.mktemp("src"))
+    local = _pack(csv, images, csv.parent / "s")
+    remote = _pack(csv, images, f"gs://{BUCKET}/shards")
+    assert remote.num_records == local.num_records == NUM and remote.num_shards == local.num_shards > 5
+    return csv.parent / "s", f"gs://{BUCKET}/shards", (csv, images)
+
+
+def _fetched(monkeypatch):
+    """The records each fetch from storage asked for (the real fetch runs; this only listens)."""
+    seen = []
+    real = shards_module._RemoteRecords._fetch
+
+    def listen(self, gids, index):
+        seen.append(gids.tolist())
+        return real(self, gids, index)
+
+    monkeypatch.setattr(shards_module._RemoteRecords, "_fetch", listen)
+    return seen
+
+
+def _batches(ds, processes=2, epoch=1, start_step=0):
+    return [[(x.clone(), y.clone()) for x, y in ds.train_batches(loader_batch=8, num_processes=processes, process_index=p,
+                                                               seed=3, epoch=epoch, start_step=start_step)]
+            for p in range(processes)]
+
+
+def _same(a, b):
+    assert len(a) == len(b)
+    for part_a, part_b in zip(a, b):
+        assert len(part_a) == len(part_b)
+        for (xa, ya), (xb, yb) in zip(part_a, part_b):
+            assert torch.equal(xa, xb) and torch.equal(ya, yb)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_shards_on_object_storage_read_exactly_as_the_local_pack(packed, workers):
+    local, url, _ = packed
+    remote = ShardDataset(url, channels=1, num_workers=workers, remote_requests=REQUESTS)
+    near = ShardDataset(local, channels=1)
+    assert len(remote) == len(near) == NUM and remote.label_names == near.label_names
+    _same(_batches(remote), _batches(near))
+    evaluated = [list(ds.eval_batches(loader_batch=8, num_processes=1, process_index=0)) for ds in (remote, near)]
+    for ((xa, ya), va), ((xb, yb), vb) in zip(*evaluated):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb) and torch.equal(va, vb)
+    assert [r.data for r in iter_records(url)] == [r.data for r in iter_records(local)]
+    remote.close()
+
+
+def test_each_process_fetches_only_its_records_and_a_resume_fetches_none_it_skips(packed, monkeypatch):
+    _, url, _ = packed
+    seen = _fetched(monkeypatch)
+    ds = ShardDataset(url, channels=1, remote_requests=REQUESTS)
+    per_process = []
+    for p in range(2):
+        seen.clear()
+        got = [y[:, 0].long().tolist() for _, y in ds.train_batches(loader_batch=8, num_processes=2, process_index=p,
+                                                                      seed=3, epoch=1)]
+        fetched = sorted(g for batch in seen for g in batch)
+        assert fetched == sorted(r for batch in got for r in batch)  # what it fetched is what it trained on
+        per_process.append(set(fetched))
+    assert not per_process[0] & per_process[1]
+    # 90 records, global batch 16: 5 steps use 80 of them, each in exactly one process.
+    assert len(per_process[0] | per_process[1]) == 80
+    # Resumed at step 3 of 5: the records of steps 1-3 are not fetched again.
+    seen.clear()
+    rest = [y[:, 0].long().tolist() for _, y in ds.train_batches(loader_batch=8, num_processes=2, process_index=0,
+                                                                   seed=3, epoch=1, start_step=3)]
+    assert len(rest) == 2 and sorted(g for batch in seen for g in batch) == sorted(r for b in rest for r in b)
+
+
+def test_training_from_object_storage_matches_training_from_the_local_pack(packed, tmp_path):
+    local, url, _ = packed
+
+    def fit(root, name):
+        torch.manual_seed(0)
+        model = nn.Sequential(NormalizeInput(mean=[0.5], std=[0.25]), nn.Flatten(), nn.Linear(SIZE * SIZE, 3))
+        ds = ShardDataset(root, channels=1, labels=["cls"], target="long", remote_requests=REQUESTS)
+        trainer = Trainer(model, nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.01),
+                          config=TrainConfig(epochs=2, batch_size=8, run_dir=str(tmp_path / name), diagnostics=False),
+                          backend="cpu")
+        return trainer.fit(ds)
+
+    remote, near = fit(url, "remote"), fit(local, "local")
+    assert [r["train_loss"] for r in remote] == [r["train_loss"] for r in near]
+
+
+def test_packing_again_onto_object_storage_writes_nothing_new_and_other_inputs_are_refused(packed, tmp_path):
+    _, url, (csv, images) = packed
+    again = _pack(csv, images, url)
+    assert again.num_shards_written == 0 and again.num_records == NUM
+    other_csv = tmp_path / "other.csv"
+    other_csv.write_text(csv.read_text().replace("g0\n", "g99\n", 1))
+    with pytest.raises(ValueError, match=f"{url} holds an earlier pack of {NUM} records"):
+        _pack(other_csv, images, url)
+
+
+def test_a_missing_bucket_is_named_before_any_work(packed, tmp_path):
+    _, _, (csv, images) = packed
+    with pytest.raises(storage.StorageError, match="the bucket no-such-bucket does not exist"):
+        _pack(csv, images, "gs://no-such-bucket/shards")
+    with pytest.raises(ValueError, match="gs://no-such-bucket/shards/manifest.json does not exist"):
+        ShardDataset("gs://no-such-bucket/shards")
+
+
+def _copy(url, to):
+    fs, path = storage.filesystem(url)
+    _, target = storage.filesystem(to)
+    for name in fs.ls(path, detail=False):
+        fs.copy(name, f"{target}/{name.rsplit('/', 1)[-1]}")
+    manifest = json.loads(storage.read_bytes(f"{to}/manifest.json"))
+    return fs, target, manifest["shards"]
+
+
+def test_a_missing_or_truncated_object_is_an_error_naming_the_shard_or_left_out_when_asked(packed):
+    _, url, _ = packed
+    fs, target, entries = _copy(url, f"gs://{BUCKET}/damaged")
+    fs.rm_file(f"{target}/{entries[1]['name']}")
+    blob = fs.cat_file(f"{target}/{entries[2]['name']}")
+    fs.pipe_file(f"{target}/{entries[2]['name']}", blob[: len(blob) // 2])
+    with pytest.raises(ShardError, match=f"shard {entries[1]['name']} is missing"):
+        ShardDataset(f"gs://{BUCKET}/damaged")
+    ds = ShardDataset(f"gs://{BUCKET}/damaged", on_error="skip", channels=1, remote_requests=REQUESTS)
+    left_out = entries[1]["num_records"] + entries[2]["num_records"]
+    assert len(ds) == NUM - left_out
+    assert any("truncated" in reason for _, _, reason in ds._index.dropped)
+
+
+def test_a_storage_server_that_goes_away_mid_epoch_and_comes_back_is_retried_and_reported(packed, gcs, caplog):
+    local, url, _ = packed
+    caplog.set_level(logging.WARNING, logger="xlatrain")
+    ds = ShardDataset(url, channels=1, remote_requests=REQUESTS, prefetch_batches=1)
+    batches = ds.train_batches(loader_batch=8, num_processes=1, process_index=0, seed=5, epoch=2)
+    got = [tuple(t.clone() for t in next(batches)) for _ in range(2)]
+    gcs.stop()
+    back = threading.Timer(2.0, gcs.start)
+    back.start()
+    try:
+        got += [(x.clone(), y.clone()) for x, y in batches]
+    finally:
+        back.join()
+    expected = ShardDataset(local, channels=1).train_batches(loader_batch=8, num_processes=1, process_index=0,
+                                                             seed=5, epoch=2)
+    _same([got], [list(expected)])
+    assert "object storage: a request failed and gcsfs retries it" in caplog.text
+
+
+def test_a_server_that_stays_away_fails_with_the_url_and_the_fix_after_bounded_retries(packed, gcs, monkeypatch):
+    _, url, _ = packed
+    # Only the storage library's own retries (gcsfs: 6 tries, about 35 s), none of xlatrain's on top.
+    monkeypatch.setattr(storage, "RETRY_WAITS_S", ())
+    gcs.stop()
+    try:
+        started = time.monotonic()
+        with pytest.raises(storage.StorageError, match=f"reading {url}/manifest.json: it could not be reached after 0 "
+                                                       "retries.*Fix: check the network"):
+            ShardDataset(url)
+        assert time.monotonic() - started < 90
+    finally:
+        gcs.start()
+
+
+def test_denied_access_is_told_with_the_role_to_grant():
+    err = storage.explain("gs://b/shards/manifest.json", PermissionError("403 Forbidden"), "reading")
+    assert "is not accessible with this machine's credentials" in str(err) and "Storage Object User" in str(err)
+    assert not storage.transient(PermissionError()) and not storage.transient(FileNotFoundError())
+    assert storage.transient(ConnectionRefusedError())
+
+
+@pytest.mark.multiprocess
+def test_two_processes_under_torchrun_fetch_disjoint_records_whose_union_is_the_epoch(packed, gcs, tmp_path):
+    from conftest import SCRIPTS, run_command
+
+    _, url, _ = packed
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    proc = run_command([torchrun, "--nproc-per-node", "2", "--master-port", "0", "--standalone",
+                        str(SCRIPTS / "object_store_fit.py"), url, str(tmp_path / "run")], env=gcs.env, timeout=300)
+    reads = [json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("FETCHED ")]
+    assert len(reads) == 2
+    first, second = (set(r["epoch1"]) for r in sorted(reads, key=lambda r: r["rank"]))
+    assert not first & second and len(first | second) == 80  # 5 steps x global batch 16 of 90 records
+    assert all(r["history"] == reads[0]["history"] for r in reads)

@@ -1,0 +1,43 @@
+"""Train from shards on object storage under torchrun; each process prints what it fetched.
+
+Usage: torchrun --nproc-per-node 2 object_store_fit.py URL RUN_DIR (with STORAGE_EMULATOR_HOST set).
+Prints ``FETCHED {"rank", "epoch1", "history"}``: the records the process fetched from storage in
+epoch 1, and the run's history.
+"""
+
+import functools
+import json
+import sys
+
+import torch
+from torch import nn
+
+import xlatrain
+from xlatrain.data import shards
+
+
+def main() -> None:
+    url, run_dir = sys.argv[1], sys.argv[2]
+    fetched = []
+    real = shards._RemoteRecords._fetch
+
+    def listen(self, gids, index):  # the real fetch runs; this only listens
+        fetched.append(gids.tolist())
+        return real(self, gids, index)
+
+    shards._RemoteRecords._fetch = listen
+    ds = shards.ShardDataset(url, channels=1, labels=["cls"], target="long", remote_requests=4)
+    torch.manual_seed(0)
+    model = nn.Sequential(shards.NormalizeInput(mean=[0.5], std=[0.25]), nn.Flatten(), nn.Linear(16 * 16, 3))
+    trainer = xlatrain.Trainer(model, nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.01),
+                               config=xlatrain.TrainConfig(epochs=1, batch_size=8, run_dir=run_dir, diagnostics=False),
+                               accelerator="cpu")
+    history = trainer.fit(ds)
+    # The dry run reads a batch of its own before training: the epoch's reads are the last 5.
+    epoch = [g for batch in fetched[-5:] for g in batch]
+    print("FETCHED " + json.dumps({"rank": trainer.strategy.process_index, "epoch1": epoch,
+                                   "history": [r["train_loss"] for r in history]}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
