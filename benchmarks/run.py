@@ -24,7 +24,7 @@ settle_libtpu_without_tpu()
 
 from xlatrain.checkpoint import atomic_write_text  # noqa: E402
 
-ENTRIES = ["trainer_overhead", "compiled_step", "input_pipeline", "xla_loop", "compile_cache", "fsdp", "lm"]
+ENTRIES = ["trainer_overhead", "compiled_step", "input_pipeline", "object_store", "xla_loop", "compile_cache", "fsdp", "lm"]
 
 
 def _markdown(results: dict) -> str:

@@ -53,6 +53,12 @@ class LocalGCS:
         self._saved: dict[str, str | None] = {}
 
     @property
+    def pid(self) -> int:
+        """The server process (while it runs)."""
+        assert self._proc is not None, "the server is not running"
+        return self._proc.pid
+
+    @property
     def env(self) -> dict[str, str]:
         """What a process needs in its environment to reach this server through gcsfs."""
         return {"STORAGE_EMULATOR_HOST": self.url, **ENV_AT_IMPORT}

@@ -1,0 +1,169 @@
+"""Shards read from object storage: images/s through xlatrain's reader against its two limits.
+
+A GCS API server runs on 127.0.0.1 (gcp-storage-emulator, through xlatrain.storage_emulator) and
+holds a pack of a generated RSNA-shaped dataset; the same pack sits on local disk. Per round:
+
+- ``reader``: ``ShardDataset("gs://...")`` training epochs, ``WORKERS`` worker processes, each
+  fetching only its batches' records in ranged reads (``REQUESTS`` in flight) a batch ahead of
+  its decode;
+- ``fetch_limit``: the same records' bytes fetched with gcsfs alone (``cat_ranges``, the same
+  ranges, concurrency and batches over the same number of processes), nothing decoded;
+- ``decode_limit``: the same JPEG bytes decoded as the reader decodes them, by as many processes,
+  nothing fetched;
+- ``local``: the reader on the local copy of the pack.
+
+The target: reader >= 0.9 x min(fetch limit, decode limit) at the median and >= 0.85 in every
+round. Sides run A B B A within a round, the order reversed every other round.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from benchmarks.input_pipeline import BATCH, SIZE, DecodeLimit, _epoch
+from xlatrain.data.pack import pack
+from xlatrain.data.shards import ShardDataset, iter_records
+from xlatrain.data.synthetic_rsna import LABEL_COLUMNS, PATH_COLUMNS, PATH_SUFFIX, generate
+from xlatrain.storage_emulator import LocalGCS
+
+NUM_STUDIES = 16  # about 1,200 slices
+ROUNDS = 5
+REQUESTS = 2  # the local server is serial with a listen queue of 5: 2 processes x 2 requests
+BUCKET = "bench"
+
+
+def _fetch_worker(url: str, tasks: list[tuple[list[str], list[int], list[int]]], requests: int, conn: Any) -> None:
+    from xlatrain import storage
+
+    fs = storage.filesystem(url)[0]
+    while conn.recv() is not None:
+        count = 0
+        for paths, starts, ends in tasks:
+            blobs = fs.cat_ranges(paths, starts, ends, batch_size=requests, on_error="raise")
+            count += len(blobs)
+        conn.send(count)
+
+
+class FetchLimit:
+    """``workers`` processes fetching their shares of an epoch's batches with gcsfs alone."""
+
+    def __init__(self, url: str, batches: list[tuple[list[str], list[int], list[int]]], workers: int) -> None:
+        context = multiprocessing.get_context("spawn")  # a fresh gcsfs client each
+        self._conns, self._procs = [], []
+        for w in range(workers):
+            ours, theirs = context.Pipe()
+            proc = context.Process(target=_fetch_worker, args=(url, batches[w::workers], REQUESTS, theirs), daemon=True)
+            proc.start()
+            self._conns.append(ours)
+            self._procs.append(proc)
+
+    def __call__(self) -> tuple[int, float]:
+        start = time.perf_counter()
+        for conn in self._conns:
+            conn.send(True)
+        count = sum(conn.recv() for conn in self._conns)
+        return count, time.perf_counter() - start
+
+    def close(self) -> None:
+        for conn in self._conns:
+            conn.send(None)
+        for proc in self._procs:
+            proc.join()
+
+
+def run() -> dict[str, Any]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with tempfile.TemporaryDirectory(prefix="xlatrain-bench-") as tmp, LocalGCS(bucket=BUCKET) as gcs:
+            return _measure(Path(tmp), gcs)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure(tmp: Path, gcs: LocalGCS) -> dict[str, Any]:
+    workers = len(os.sched_getaffinity(0))
+    data = generate(tmp / "rsna", num_studies=NUM_STUDIES, workers=workers)
+    options = {"path_columns": PATH_COLUMNS, "suffix": PATH_SUFFIX, "labels": list(LABEL_COLUMNS),
+               "group": "StudyInstanceUID", "workers": workers, "progress": False}
+    pack(data.csv_path, data.image_dir, tmp / "shards", **options)
+    url = f"gs://{BUCKET}/shards"
+    started = time.perf_counter()
+    pack(data.csv_path, data.image_dir, url, **options)
+    upload_s = time.perf_counter() - started
+
+    reader = ShardDataset(url, image_size=SIZE, channels=1, num_workers=workers, remote_requests=REQUESTS)
+    local = ShardDataset(tmp / "shards", image_size=SIZE, channels=1, num_workers=workers)
+    # The records of one epoch in the reader's order, batch by batch, as ranged reads.
+    ix = reader._index
+    order = reader.epoch_order(0, 1)
+    steps = len(order) // BATCH
+    paths = [f"{BUCKET}/shards/{name}" for name in ix.shard_names]
+    batches = []
+    for k in range(steps):
+        gids = reader._ids[order[k * BATCH:(k + 1) * BATCH]]
+        starts = ix.start[gids]
+        batches.append(([paths[s] for s in ix.shard[gids]], starts.tolist(), (starts + ix.length[gids]).tolist()))
+    encoded = [r.data for r in iter_records(tmp / "shards")]
+    fetch = FetchLimit(url, batches, workers)
+    decode = DecodeLimit(encoded, workers, {"colorspace": "GRAY", "min_height": SIZE, "min_width": SIZE, "min_factor": 2})
+    epochs = iter(range(1, 10**6))
+
+    def epoch_of(ds: ShardDataset) -> Callable[[], tuple[int, float]]:
+        return lambda: _epoch(ds.train_batches(loader_batch=BATCH, num_processes=1, process_index=0, seed=0,
+                                               epoch=next(epochs)))
+
+    sides: dict[str, Callable[[], tuple[int, float]]] = {
+        "reader": epoch_of(reader), "fetch_limit": fetch, "decode_limit": decode, "local": epoch_of(local)}
+    for side in sides.values():
+        side()  # warm-up: workers, connections, page cache
+    rates: dict[str, list[float]] = {name: [] for name in sides}
+    names = list(sides)
+    for r in range(ROUNDS):
+        order_names = names if r % 2 == 0 else names[::-1]
+        runs: dict[str, list[tuple[int, float]]] = {name: [] for name in sides}
+        for name in order_names + order_names[::-1]:
+            runs[name].append(sides[name]())
+        for name, got in runs.items():
+            rates[name].append(sum(c for c, _ in got) / sum(s for _, s in got))
+    fetch.close()
+    decode.close()
+    reader.close()
+    local.close()
+
+    def spread(values: list[float], digits: int = 3) -> dict[str, Any]:
+        return {"min": round(min(values), digits), "median": round(statistics.median(values), digits),
+                "max": round(max(values), digits), "rounds": [round(v, digits) for v in values]}
+
+    bound = [min(f, d) for f, d in zip(rates["fetch_limit"], rates["decode_limit"])]
+    fraction = [a / b for a, b in zip(rates["reader"], bound)]
+    binds = ["fetch" if f < d else "decode" for f, d in zip(rates["fetch_limit"], rates["decode_limit"])]
+    return {
+        "ratio": round(statistics.median(fraction), 3),
+        "reader_over_binding_limit": spread(fraction),
+        "binding_limit_per_round": binds,
+        "reader_over_local": spread([a / b for a, b in zip(rates["reader"], rates["local"])]),
+        "images_per_s_median": {name: round(statistics.median(v)) for name, v in rates.items()},
+        "images_per_s": {name: spread(v, 0) for name, v in rates.items()},
+        "num_images": len(encoded),
+        "mean_jpeg_bytes": round(float(np.mean([len(e) for e in encoded]))),
+        "shards": len(ix.shard_names),
+        "upload_s": round(upload_s, 2),
+        "processes": workers,
+        "requests_in_flight_per_process": REQUESTS,
+        "server": "gcp-storage-emulator on 127.0.0.1 (in memory, single-threaded, one request at a time), "
+                  "sharing this machine's cores with every side",
+        "rounds": ROUNDS,
+        "target": "reader >= 0.9 x min(fetch limit, decode limit) at the median, >= 0.85 in every round",
+        "target_met": statistics.median(fraction) >= 0.9 and min(fraction) >= 0.85,
+    }
