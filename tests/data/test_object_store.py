@@ -218,6 +218,43 @@ def test_a_server_that_stays_away_fails_with_the_url_and_the_fix_after_bounded_r
         gcs.start()
 
 
+def test_a_local_cache_serves_later_epochs_without_the_server_and_stays_within_its_limit(packed, gcs, tmp_path):
+    local, url, _ = packed
+    near = _batches(ShardDataset(local, channels=1))
+    cache = tmp_path / "cache"
+    # Two readers with two workers each fill one cache at once: every file is whole.
+    readers = [ShardDataset(url, channels=1, num_workers=2, cache_dir=str(cache)) for _ in range(2)]
+    results = [None, None]
+
+    def read(k):
+        results[k] = _batches(readers[k])
+
+    threads = [threading.Thread(target=read, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for got in results:
+        _same(got, near)
+    for ds in readers:
+        ds.close()
+    files = [f for f in cache.rglob("*") if f.is_file()]
+    entries = json.loads(storage.read_bytes(f"{url}/manifest.json"))["shards"]
+    assert sorted(f.name for f in files) == sorted(e["name"] for e in entries)
+    # A new reader opens (manifest and indexes from the server), then reads with the server gone.
+    again = ShardDataset(url, channels=1, cache_dir=str(cache))
+    gcs.stop()
+    try:
+        _same(_batches(again), near)
+    finally:
+        gcs.start()
+    # A cache smaller than the pack keeps to its limit and reads the same records.
+    limit = 2 * max(e["num_bytes"] for e in entries)
+    small = ShardDataset(url, channels=1, cache_dir=str(tmp_path / "small"), cache_bytes=limit)
+    _same(_batches(small), near)
+    assert sum(f.stat().st_size for f in (tmp_path / "small").rglob("*") if f.is_file()) <= limit
+
+
 def test_denied_access_is_told_with_the_role_to_grant():
     err = storage.explain("gs://b/shards/manifest.json", PermissionError("403 Forbidden"), "reading")
     assert "is not accessible with this machine's credentials" in str(err) and "Storage Object User" in str(err)

@@ -398,6 +398,11 @@ class ShardOptions:
         remote_requests: when ``root`` is on object storage (``gs://...``), the ranged reads each
             process keeps in flight at once; each process fetches only its own records, the
             next ``prefetch_batches`` batches ahead of the one it decodes.
+        cache_dir: with ``root`` on object storage, keep whole shards in this local directory
+            (shared safely by the processes of a host), at most ``cache_bytes`` in all, the least
+            recently used removed first; later epochs then read at local-disk speed. Each process
+            then fetches the whole shards its records lie in, not only its records.
+        cache_bytes: the cache's size limit.
     """
 
     image_size: int | tuple[int, int] | None = None
@@ -413,6 +418,8 @@ class ShardOptions:
     on_error: str = "raise"
     verify_checksums: bool = False
     remote_requests: int = 16
+    cache_dir: str | None = None
+    cache_bytes: int = 64 << 30
 
     def __post_init__(self) -> None:
         if self.image_size is not None:
@@ -428,7 +435,7 @@ class ShardOptions:
             raise ValueError(f"augment={self.augment!r} is not valid: pass an Augment(...) or None")
         if self.shuffle_window is not None and (isinstance(self.shuffle_window, bool) or self.shuffle_window < 1):
             raise ValueError(f"shuffle_window={self.shuffle_window!r} is not valid: use a record count >= 1, or None")
-        for name, minimum in (("num_workers", 0), ("prefetch_batches", 1), ("remote_requests", 1)):
+        for name, minimum in (("num_workers", 0), ("prefetch_batches", 1), ("remote_requests", 1), ("cache_bytes", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"{name}={value!r} is not valid: it must be an integer >= {minimum}")
@@ -504,6 +511,7 @@ class _Index:
 
     root: Path | str  # a local directory, or an object-storage URL
     shard_names: list[str]
+    shard_bytes: list[int]
     shard: np.ndarray
     local: np.ndarray
     start: np.ndarray
@@ -596,6 +604,66 @@ class _RemoteRecords:
         return out
 
 
+class _ShardCache:
+    """Whole shards from object storage, kept in a local directory up to ``limit`` bytes.
+
+    A shard is fetched whole the first time a process needs one of its records (so with the
+    cache on, a process fetches whole shards, not only its records), written to a temporary file
+    and renamed into place: processes that share the directory never see a part of a file, and
+    two that fetch the same shard at once both rename a complete copy. Files are named by the
+    pack's URL and the shard's name, which holds its SHA-256 prefix: a re-packed dataset never
+    reads an old copy. When the directory holds more than ``limit`` bytes, the files used least
+    recently (their modification time, renewed on each use) are removed; a process that has one
+    open keeps reading it (the file goes when it is closed), and one that needs it again fetches it.
+    What is read, and in which order, does not depend on what is cached.
+    """
+
+    def __init__(self, root: str, directory: str, limit: int) -> None:
+        self.root = root
+        self.dir = Path(directory).expanduser() / hashlib.sha256(root.encode()).hexdigest()[:16]
+        self.limit = limit
+
+    def path(self, name: str, num_bytes: int) -> str:
+        target = self.dir / name
+        try:
+            if target.stat().st_size == num_bytes:
+                os.utime(target)  # used now: the last to be evicted
+                return str(target)
+        except FileNotFoundError:
+            pass
+        self.dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.dir / f".{name}.{os.getpid()}.part"
+        try:
+            url = storage.join(self.root, name)
+            fs, object_path = storage.filesystem(url)
+            storage.retrying("fetching into the cache", url, lambda: fs.get_file(object_path, str(tmp)))
+            if tmp.stat().st_size != num_bytes:
+                raise storage.StorageError(f"{url} has {tmp.stat().st_size} bytes, the manifest says {num_bytes}: "
+                                           "the object was replaced or cut short. Re-run `xlatrain pack`")
+            os.replace(tmp, target)
+        finally:
+            tmp.unlink(missing_ok=True)
+        self._evict(keep=target)
+        return str(target)
+
+    def _evict(self, keep: Path) -> None:
+        entries = []
+        for entry in os.scandir(self.dir.parent):
+            if entry.is_dir():
+                for f in os.scandir(entry.path):
+                    if f.is_file() and not f.name.startswith("."):
+                        info = f.stat()
+                        entries.append((info.st_mtime_ns, info.st_size, f.path))
+        total = sum(size for _, size, _ in entries)
+        for _, size, path in sorted(entries):
+            if total <= self.limit:
+                break
+            if path != str(keep):
+                with contextlib.suppress(FileNotFoundError):  # another process removed it first
+                    os.unlink(path)
+                total -= size
+
+
 class _BatchReader:
     """Decodes one batch per call into rows it is given; picklable (open files are per process)."""
 
@@ -611,10 +679,14 @@ class _BatchReader:
         # main process, which runs the training step, keeps to pread.
         self.map_files = False
         self._paths = [str(_shard_path(index.root, name)) for name in index.shard_names]
+        self._sizes = index.shard_bytes
         # Object storage: a batch's records come in one concurrent ranged fetch, started ahead
         # of its decode (see _RemoteRecords); None for local shards.
+        remote = storage.is_url(index.root)
+        self._cache = _ShardCache(str(index.root), options.cache_dir, options.cache_bytes) \
+            if remote and options.cache_dir is not None else None
         self._remote = _RemoteRecords(str(index.root), self._paths, options.remote_requests) \
-            if storage.is_url(index.root) else None
+            if remote and self._cache is None else None
         self._fds: dict[int, int] = {}
         self._views: dict[int, memoryview] = {}
         self._pid = os.getpid()
@@ -658,7 +730,7 @@ class _BatchReader:
             return [True] * len(gids)  # bytes off the network: every record is checked, every time
         for shard in shards:
             try:
-                info = os.stat(self._paths[shard])
+                info = os.stat(self._local(shard))
             except OSError:
                 continue  # reading the record says what is wrong
             # A file replaced by rename gets a new stamp too: its records are checked again
@@ -670,16 +742,25 @@ class _BatchReader:
                 self._stamps[shard] = stamp
         return (~self._checked[gids]).tolist()
 
+    def _local(self, shard: int) -> str:
+        """The local file of a shard: where it is, or its copy in the cache (fetched if missing)."""
+        if self._cache is None:
+            return self._paths[shard]
+        try:
+            return self._cache.path(self.index.shard_names[shard], int(self._sizes[shard]))
+        except storage.StorageError as exc:
+            raise _BadRecord(f"its shard could not be fetched into the cache ({exc})") from None
+
     def _open(self, shard: int) -> int:
         try:
-            fd = self._fds[shard] = os.open(self._paths[shard], os.O_RDONLY)
+            fd = self._fds[shard] = os.open(self._local(shard), os.O_RDONLY)
         except OSError as exc:
             raise _BadRecord(f"cannot open the shard ({exc.strerror})") from None
         return fd
 
     def _map(self, shard: int) -> memoryview:
         try:
-            fd = os.open(self._paths[shard], os.O_RDONLY)
+            fd = os.open(self._local(shard), os.O_RDONLY)
         except OSError as exc:
             raise _BadRecord(f"cannot open the shard ({exc.strerror})") from None
         try:
@@ -1099,6 +1180,7 @@ def _open_index(root: Path | str, options: ShardOptions) -> _Index:
     ix = _Index(
         root=root,
         shard_names=[e["name"] for e in entries],
+        shard_bytes=[int(e["num_bytes"]) for e in entries],
         shard=np.zeros(total, dtype=np.int64),
         local=np.zeros(total, dtype=np.int64),
         start=np.zeros(total, dtype=np.int64),
