@@ -275,3 +275,22 @@ def test_two_processes_under_torchrun_fetch_disjoint_records_whose_union_is_the_
     first, second = (set(r["epoch1"]) for r in sorted(reads, key=lambda r: r["rank"]))
     assert not first & second and len(first | second) == 80  # 5 steps x global batch 16 of 90 records
     assert all(r["history"] == reads[0]["history"] for r in reads)
+
+
+def test_the_pe_recipe_packs_to_and_trains_from_object_storage_from_the_command_line(gcs, tmp_path):
+    from conftest import run_command
+
+    configs = Path(__file__).parents[2] / "configs"
+    url = f"gs://{BUCKET}/pe-shards"
+    args = [sys.executable, "-m", "xlatrain.cli", "fit", str(configs / "pe_detection.yaml")]
+    for item in ["data.num_studies=6", "data.slices_per_study=[4,5]", "data.stored_size=48", "data.image_size=32",
+                 "data.num_folds=2", "data.workers=1", "model.name=small_cnn", "model.width=8", "trainer.batch_size=8",
+                 "trainer.epochs=1", "backend.accelerator=cpu", f"trainer.run_dir={tmp_path / 'run'}",
+                 f"data.root={tmp_path / 'data'}", f"data.shards={url}", f"data.cache_dir={tmp_path / 'cache'}"]:
+        args += ["--set", item]
+    run_command(args, env=gcs.env, timeout=600)
+    assert storage.exists(f"{url}/manifest.json")
+    assert not (tmp_path / "data" / "shards").exists()  # packed straight to the bucket
+    assert any((tmp_path / "cache").rglob("*.xshard"))  # and read through the cache
+    history = json.loads((tmp_path / "run" / "history.json").read_text())
+    assert len(history) == 1 and history[0]["val_weighted_log_loss"] == history[0]["val_weighted_log_loss"]

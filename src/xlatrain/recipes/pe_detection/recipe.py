@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from xlatrain import storage
 from xlatrain.config import from_dict
 from xlatrain.recipes.pe_detection.labels import ID_COLUMNS, STUDY_COLUMN, TARGET_NAMES
 from xlatrain.logs import get_logger
@@ -37,7 +38,8 @@ class DataConfig:
     """
 
     root: str = "runs/data/pe_synthetic"
-    shards: str | None = None  # default: ROOT/shards
+    shards: str | None = None  # default: ROOT/shards; a gs:// URL reads (and packs) on object storage
+    cache_dir: str | None = None  # with shards on object storage: keep whole shards here (see ShardOptions)
     source: str = "shards"
     synthetic: bool = True
     num_studies: int = 60
@@ -67,8 +69,16 @@ class DataConfig:
             raise ValueError(f"data.fold={self.fold} is not valid: use 0..{self.num_folds - 1}")
 
     @property
-    def shard_dir(self) -> Path:
+    def shard_dir(self) -> Path | str:
+        if self.shards and storage.is_url(self.shards):
+            return self.shards.rstrip("/")
         return Path(self.shards) if self.shards else Path(self.root) / "shards"
+
+
+def _packed(shard_dir: Path | str) -> bool:
+    if isinstance(shard_dir, str):
+        return storage.exists(storage.join(shard_dir, "manifest.json"))
+    return (shard_dir / "manifest.json").is_file()
 
 
 def prepare_data(data: DataConfig, timeout_s: float = 1800.0) -> None:
@@ -81,12 +91,18 @@ def prepare_data(data: DataConfig, timeout_s: float = 1800.0) -> None:
     import time
 
     root = Path(data.root)
-    done = data.shard_dir / "manifest.json" if data.source == "shards" else root / "train.csv"
+
+    def done() -> bool:
+        return _packed(data.shard_dir) if data.source == "shards" else (root / "train.csv").is_file()
+
+    if data.source == "shards" and isinstance(data.shard_dir, str) and _packed(data.shard_dir):
+        return  # a pack on object storage is read as it is: no local folder needed
     if int(os.environ.get("LOCAL_RANK", "0")) != 0:
         deadline = time.monotonic() + timeout_s
-        while not done.is_file():
+        while not done():
             if time.monotonic() > deadline:
-                raise TimeoutError(f"waited {timeout_s:.0f} s for local rank 0 to write {done}")
+                what = f"{data.shard_dir}/manifest.json" if data.source == "shards" else root / "train.csv"
+                raise TimeoutError(f"waited {timeout_s:.0f} s for local rank 0 to write {what}")
             time.sleep(0.5)
         return
     _prepare(data, root)
@@ -138,7 +154,7 @@ def _prepare(data: DataConfig, root: Path) -> None:
         )
         atomic_write_text(root / GENERATED_FROM, json.dumps(_generation(data)))
     _check_generated(data, root)
-    if data.source == "shards" and not (data.shard_dir / "manifest.json").is_file():
+    if data.source == "shards" and not _packed(data.shard_dir):
         log.info(f"packing {root} into {data.shard_dir} ...")
         pack(
             root / "train.csv", root / "train", data.shard_dir, path_columns=list(ID_COLUMNS), suffix=".jpg",
@@ -197,7 +213,7 @@ def datasets(data: DataConfig, num_workers: int = 0, pin_memory: bool = False) -
     if data.source == "shards":
         full = ShardDataset(
             data.shard_dir, image_size=data.image_size, channels=1, labels=list(TARGET_NAMES),
-            num_workers=num_workers, pin_memory=pin_memory,
+            num_workers=num_workers, pin_memory=pin_memory, cache_dir=data.cache_dir,
         )
         groups, labels = full.groups, full.labels
         train_ids, val_ids = group_kfold(groups, num_folds=data.num_folds, fold=data.fold, seed=data.seed)
