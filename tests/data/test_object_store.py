@@ -294,3 +294,65 @@ def test_the_pe_recipe_packs_to_and_trains_from_object_storage_from_the_command_
     assert any((tmp_path / "cache").rglob("*.xshard"))  # and read through the cache
     history = json.loads((tmp_path / "run" / "history.json").read_text())
     assert len(history) == 1 and history[0]["val_weighted_log_loss"] == history[0]["val_weighted_log_loss"]
+
+
+# --- WebDataset tar shards, read in place -----------------------------------------------------
+
+def _write_tars(images, out, per_tar=30):
+    import io
+    import tarfile
+
+    out.mkdir(parents=True, exist_ok=True)
+    for t in range(0, NUM, per_tar):
+        with tarfile.open(out / f"train-{t // per_tar:04d}.tar", "w") as tar:
+            for i in range(t, min(t + per_tar, NUM)):
+                members = {f"s{i:05d}.jpg": (images / f"{i}.jpg").read_bytes(), f"s{i:05d}.cls": str(i % 3).encode(),
+                           f"s{i:05d}.json": json.dumps({"rid": i, "group": f"g{i // 4}"}).encode()}
+                for name, data in members.items():
+                    info = tarfile.TarInfo(name)
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+    return out
+
+
+@pytest.mark.parametrize("where", ["local", "gs"])
+def test_webdataset_tars_read_in_place_as_the_packed_records(packed, tmp_path, where):
+    local, _, (_, images) = packed
+    tars = _write_tars(images, tmp_path / "wds")
+    root = str(tars)
+    if where == "gs":
+        root = f"gs://{BUCKET}/wds-{tmp_path.name}"
+        fs, path = storage.filesystem(root)
+        for f in sorted(tars.iterdir()):
+            fs.put_file(str(f), f"{path}/{f.name}")
+    options = {"channels": 1, "labels": ["rid", "cls"], "shuffle": False, "remote_requests": REQUESTS}
+    wds, near = ShardDataset(root, **options), ShardDataset(local, **options)
+    assert len(wds) == NUM and wds.label_names == ("rid", "cls")
+    _same(_batches(wds), _batches(near))
+    # Groups come from the json's "group": four records each, as packed.
+    assert len(set(wds.groups.tolist())) == len(set(near.groups.tolist())) == (NUM + 3) // 4
+    shuffled = ShardDataset(root, channels=1, labels=["rid"], num_workers=2, remote_requests=REQUESTS)
+    seen = sorted(int(r) for part in _batches(shuffled) for _, y in part for r in y[:, 0].tolist())
+    assert len(seen) == len(set(seen)) == 80  # 5 steps x 16 of 90, each once
+    shuffled.close()
+
+
+def test_a_tar_sample_without_an_image_or_a_cut_short_tar_is_told(packed, tmp_path):
+    _, _, (_, images) = packed
+    tars = _write_tars(images, tmp_path / "wds")
+    broken = tars / "train-0001.tar"
+    broken.write_bytes(broken.read_bytes()[:5000])
+    with pytest.raises(ShardError, match="shard train-0001.tar is not a readable tar"):
+        ShardDataset(tars)
+    ds = ShardDataset(tars, on_error="skip", channels=1)
+    assert len(ds) == NUM - 30
+    # Cut where a member ends: every header reads, the end-of-archive blocks are missing.
+    import tarfile
+
+    with tarfile.open(tars / "train-0002.tar") as tar:
+        end = tar.getmembers()[5].offset_data + 512
+    cut = tars / "train-0002.tar"
+    cut.write_bytes(cut.read_bytes()[:end])
+    broken.unlink()
+    with pytest.raises(ShardError, match="shard train-0002.tar is cut short"):
+        ShardDataset(tars)

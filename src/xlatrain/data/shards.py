@@ -525,6 +525,8 @@ class _Index:
     group_codes: np.ndarray
     group_names: list[str]
     dropped: list[tuple[str, int, str]]  # (shard, records, reason) left out under on_error="skip"
+    crc_known: bool = True  # WebDataset tars store no checksums
+    paths: list[str] | None = None  # each record's source, where the shards' own indexes do not hold it
 
 
 class _RemoteRecords:
@@ -726,6 +728,8 @@ class _BatchReader:
         """Which records of ``gids`` (in ``shards``) this process has yet to check against their CRC32."""
         if self._checked is None:
             self._checked = np.zeros(len(self.index.length), dtype=bool)
+        if not self.index.crc_known:
+            return [False] * len(gids)  # nothing to check against
         if self._remote is not None:
             return [True] * len(gids)  # bytes off the network: every record is checked, every time
         for shard in shards:
@@ -795,7 +799,8 @@ class _BatchReader:
         self._own_files()
         if self._remote is not None:
             self._remote.fetch_now(np.array([gid]), ix)
-        data = self._read(int(ix.shard[gid]), int(ix.start[gid]), int(ix.length[gid]), int(ix.crc32[gid]))
+        data = self._read(int(ix.shard[gid]), int(ix.start[gid]), int(ix.length[gid]),
+                          int(ix.crc32[gid]) if ix.crc_known else None)
         channels = 1 if ix.channels[gid] == 1 else self.options.channels
         return self._decode(data, (int(ix.height[gid]), int(ix.width[gid])), channels, None, None)
 
@@ -829,7 +834,8 @@ class _BatchReader:
         ix = self.index
         shard = ix.shard_names[int(ix.shard[gid])]
         try:
-            path = read_shard_index(_shard_path(ix.root, shard)).paths[int(ix.local[gid])]
+            path = ix.paths[gid] if ix.paths is not None else \
+                read_shard_index(_shard_path(ix.root, shard)).paths[int(ix.local[gid])]
         except ShardError:
             path = "unknown"
         return f"record {int(ix.local[gid])} of shard {shard} (source {path})"
@@ -1172,6 +1178,14 @@ def _stop_workers(procs: list[multiprocessing.process.BaseProcess], conns: list[
 
 
 def _open_index(root: Path | str, options: ShardOptions) -> _Index:
+    has_manifest = storage.exists(storage.join(root, MANIFEST_NAME)) if isinstance(root, str) \
+        else (root / MANIFEST_NAME).is_file()
+    if not has_manifest:
+        from xlatrain.data import webdataset
+
+        tars = webdataset.list_tars(root)
+        if tars:
+            return webdataset.open_tar_index(root, tars, options)
     manifest = read_manifest(root)
     label_names = tuple(manifest["label_names"])
     entries = manifest["shards"]
