@@ -45,26 +45,28 @@ def join(url: str, *names: str) -> str:
     return "/".join([url.rstrip("/"), *names])
 
 
-class _LibraryRetries(logging.Filter):
-    """gcsfs retries a failed request itself (up to 6 tries, with backoff: about 35 s in all) and
-    says so only at debug level; this says each retry as a warning of xlatrain's, and lets the
-    rest of what gcsfs logs through as it would have gone (its debug records stay unshown unless
-    its logger was set to show them)."""
+class _SaidRetries:
+    """Stands in for gcsfs's retry logger (``gcsfs.retry.logger``). gcsfs retries a failed request
+    itself (up to 6 tries with backoff, about 35 s in all) and says so only at debug level; this
+    says each retry as a warning of xlatrain's, at most every ``EVERY_S`` (requests fail together
+    when a server goes away), and hands every call on to gcsfs's logger unchanged. No logging
+    level is changed anywhere."""
 
-    EVERY_S = 10.0  # requests fail together when a server goes away: one warning per 10 s
+    EVERY_S = 10.0
 
-    def __init__(self, was_quiet: bool) -> None:
-        super().__init__()
-        self.was_quiet = was_quiet
+    def __init__(self, original: logging.Logger) -> None:
+        self._original = original
         self._said = -math.inf
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        if "retrying after exception" in message and time.monotonic() - self._said >= self.EVERY_S:
+    def debug(self, msg: Any, *args: Any, **kwargs: Any) -> None:
+        if "retrying after exception" in str(msg) and time.monotonic() - self._said >= self.EVERY_S:
             self._said = time.monotonic()
             log.warning(f"object storage: a request failed and gcsfs retries it (up to 6 tries, about 35 s in all; "
-                        f"said at most every {self.EVERY_S:g} s): {message}")
-        return record.levelno >= logging.WARNING or not self.was_quiet
+                        f"said at most every {self.EVERY_S:g} s): {msg}")
+        self._original.debug(msg, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._original, name)
 
 
 _reporting = threading.Lock()
@@ -73,14 +75,13 @@ _reporting = threading.Lock()
 def _report_library_retries(scheme: str) -> None:
     if scheme not in ("gs", "gcs"):
         return
+    try:
+        import gcsfs.retry
+    except ImportError:
+        return
     with _reporting:
-        library = logging.getLogger("gcsfs")
-        if any(isinstance(f, _LibraryRetries) for f in library.filters):
-            return
-        quiet = not library.isEnabledFor(logging.DEBUG)
-        library.addFilter(_LibraryRetries(quiet))
-        if quiet:
-            library.setLevel(logging.DEBUG)  # so that its retry records exist; the filter drops the rest
+        if isinstance(getattr(gcsfs.retry, "logger", None), logging.Logger):
+            gcsfs.retry.logger = _SaidRetries(gcsfs.retry.logger)
 
 
 def filesystem(url: str) -> tuple[Any, str]:
@@ -88,9 +89,8 @@ def filesystem(url: str) -> tuple[Any, str]:
     package is missing."""
     import fsspec
 
-    _report_library_retries(url.split("://", 1)[0])
     try:
-        return fsspec.core.url_to_fs(url)
+        found = fsspec.core.url_to_fs(url)
     except ImportError as exc:
         scheme = url.split("://", 1)[0]
         package = {"gs": "gcsfs (pip install 'xlatrain[gcs]')", "gcs": "gcsfs (pip install 'xlatrain[gcs]')",
@@ -98,6 +98,8 @@ def filesystem(url: str) -> tuple[Any, str]:
         raise StorageError(f"{url}: reading {scheme}:// needs {package}; it is not installed ({exc})") from None
     except ValueError as exc:
         raise StorageError(f"{url} is not a storage URL fsspec knows ({exc})") from None
+    _report_library_retries(url.split("://", 1)[0])  # after the library's modules (and loggers) exist
+    return found
 
 
 def _status(exc: BaseException) -> int | None:
