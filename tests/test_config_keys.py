@@ -126,6 +126,7 @@ DATA_KEYS = {
         "shards": "test_pe_data_lands_where_root_and_shards_say",
         "synthetic": "test_pe_synthetic_false_needs_real_data",
         "workers": "test_pe_workers_change_speed_not_data",
+        "cache_dir": "test_pe_cache_dir_keeps_the_shards_read_from_object_storage",
     },
 }
 
@@ -334,6 +335,18 @@ def test_pe_workers_change_speed_not_data(tmp_path):
     _built("pe_detection", tmp_path / "two", "data.workers=2")
     for name in ("train.csv", "shards/manifest.json"):
         assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes()
+
+
+@pytest.mark.object_store
+def test_pe_cache_dir_keeps_the_shards_read_from_object_storage(tmp_path):
+    from xlatrain.storage_emulator import LocalGCS
+
+    with LocalGCS(bucket="keys"):
+        cached = _built("pe_detection", tmp_path / "data", "data.shards=gs://keys/pe",
+                        f"data.cache_dir={tmp_path / 'cache'}")
+        direct = _built("pe_detection", tmp_path / "data", "data.shards=gs://keys/pe")
+    assert cached == direct  # the same data either way
+    assert any((tmp_path / "cache").rglob("*.xshard")) and not (tmp_path / "data" / "shards").exists()
 
 
 # --- trainer / backend / checkpoint keys without a test of their own elsewhere ----------------

@@ -34,6 +34,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _forget_clients() -> None:
+    """gcsfs keeps one client per set of arguments, bound to the server address it found when
+    made: drop them, so the next one goes to the server now in the environment."""
+    gcsfs = sys.modules.get("gcsfs")
+    if gcsfs is not None:
+        gcsfs.GCSFileSystem.clear_instance_cache()
+
+
 class LocalGCS:
     """A local GCS API server holding ``bucket``.
 
@@ -107,10 +115,12 @@ class LocalGCS:
         for key, value in self.env.items():
             self._saved[key] = os.environ.get(key)
             os.environ[key] = value
+        _forget_clients()
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+        _forget_clients()
         for key, value in self._saved.items():
             if value is None:
                 os.environ.pop(key, None)

@@ -356,3 +356,20 @@ def test_a_tar_sample_without_an_image_or_a_cut_short_tar_is_told(packed, tmp_pa
     broken.unlink()
     with pytest.raises(ShardError, match="shard train-0002.tar is cut short"):
         ShardDataset(tars)
+
+
+def test_xlatrain_pack_converts_webdataset_tars_into_shards_on_object_storage(packed, gcs, tmp_path):
+    from conftest import run_command
+
+    local, _, (_, images) = packed
+    tars = _write_tars(images, tmp_path / "wds")
+    url = f"gs://{BUCKET}/converted-{tmp_path.name}"
+    args = [sys.executable, "-m", "xlatrain.cli", "pack", "--webdataset", str(tars), "--out", url, "--shard-mb", "0.01"]
+    out = run_command(args, env=gcs.env).stderr
+    assert f"packed {NUM} of {NUM} rows" in out
+    options = {"channels": 1, "labels": ["rid", "cls"], "shuffle": False, "remote_requests": REQUESTS}
+    converted = ShardDataset(url, **options)
+    _same(_batches(converted), _batches(ShardDataset(local, **options)))
+    assert len(converted._index.shard_names) > 1  # 0.01 MB shards
+    # Again: nothing new to write.
+    assert "0 written" in run_command(args, env=gcs.env).stderr

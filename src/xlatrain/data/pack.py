@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import numpy as np
 import simplejpeg
 
 from xlatrain import storage
@@ -444,6 +445,56 @@ class _StorageOut:
                 storage.retrying("removing", storage.join(self.root, name), lambda p=full: self.fs.rm_file(p))
 
 
+class _ShardWriter:
+    """Records into content-named shards of about ``shard_bytes`` in ``out``; the manifest last
+    (the commit), then the shards of an earlier pack that it no longer names removed."""
+
+    def __init__(self, out: _LocalOut | _StorageOut, label_names: Sequence[str], shard_bytes: int) -> None:
+        self.out, self.label_names, self.shard_bytes = out, tuple(label_names), shard_bytes
+        self.shards: list[dict[str, Any]] = []
+        self._current: list[ShardRecord] = []
+        self._current_bytes = 0
+        self.written = 0  # shards written (the others were already there, unchanged)
+        self.num_bytes = 0  # image bytes
+
+    def add(self, record: ShardRecord) -> None:
+        if self._current and self._current_bytes + len(record.data) > self.shard_bytes:
+            self._flush()
+        self._current.append(record)
+        self._current_bytes += len(record.data)
+        self.num_bytes += len(record.data)
+
+    def _flush(self) -> None:
+        blob = encode_shard(self._current, self.label_names)
+        digest = hashlib.sha256(blob).hexdigest()
+        name = f"shard-{len(self.shards):05d}-{digest[:12]}{SHARD_SUFFIX}"
+        if not self.out.holds(name, len(blob), digest):
+            self.out.write(name, blob)
+            self.written += 1
+        self.shards.append({"name": name, "num_records": len(self._current), "num_bytes": len(blob), "sha256": digest})
+        self._current, self._current_bytes = [], 0
+
+    def commit(self, before_shards: dict[str, Any], after_shards: dict[str, Any]) -> dict[str, Any]:
+        if self._current:
+            self._flush()
+        manifest = {
+            "format": FORMAT_NAME,
+            "version": FORMAT_VERSION,
+            "num_records": sum(s["num_records"] for s in self.shards),
+            "num_image_bytes": self.num_bytes,
+            "label_names": list(self.label_names),
+            **before_shards,
+            "shards": self.shards,
+            **after_shards,
+        }
+        text = json.dumps(manifest, indent=1) + "\n"
+        if self.out.read_text(MANIFEST_NAME) != text:
+            self.out.write_text(MANIFEST_NAME, text)
+        # Only after the new manifest is in place: shards of an earlier pack that it no longer names.
+        self.out.remove_shards_except({s["name"] for s in self.shards})
+        return manifest
+
+
 def pack(
     csv_path: str | os.PathLike[str], image_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], **options: Any
 ) -> PackSummary:
@@ -503,69 +554,89 @@ def pack(
 
         out.prepare()
         progress = _Progress(opts.progress, max(_count_lines(csv_path) - 1, 0), "pack")
-        shards: list[dict[str, Any]] = []
+        writer = _ShardWriter(out, label_names, opts.shard_bytes)
         skipped: list[SkippedRow] = []
-        current: list[ShardRecord] = []
-        current_bytes = written = num_bytes = num_rows = 0
-
-        def flush() -> None:
-            nonlocal current, current_bytes, written
-            blob = encode_shard(current, label_names)
-            digest = hashlib.sha256(blob).hexdigest()
-            name = f"shard-{len(shards):05d}-{digest[:12]}{SHARD_SUFFIX}"
-            if not out.holds(name, len(blob), digest):
-                out.write(name, blob)
-                written += 1
-            shards.append({"name": name, "num_records": len(current), "num_bytes": len(blob), "sha256": digest})
-            current, current_bytes = [], 0
-
+        num_rows = 0
         for row, result in _checked(rows, opts):
             num_rows += 1
             if result[0] != "ok":
                 skipped.append(SkippedRow(line=row.line, path=row.path, reason=result[1]))
             else:
                 _, data, height, width, channels = result
-                if current and current_bytes + len(data) > opts.shard_bytes:
-                    flush()
-                current.append(
+                writer.add(
                     ShardRecord(data=data, labels=row.labels, group=row.group, path=row.path, height=height, width=width, channels=channels)
                 )
-                current_bytes += len(data)
-                num_bytes += len(data)
-            progress.update(num_rows, f"{num_bytes / 2**20:,.1f} MB  {len(skipped)} skipped")
-        if current:
-            flush()
-    progress.update(num_rows, f"{num_bytes / 2**20:,.1f} MB  {len(skipped)} skipped", final=True)
-
-    manifest = {
-        "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
-        "num_records": sum(s["num_records"] for s in shards),
-        "num_image_bytes": num_bytes,
-        "label_names": list(label_names),
-        "group_column": opts.group,
-        "path_template": template,
-        "max_side": opts.max_side,
-        "quality": opts.quality if opts.max_side is not None else None,
-        "shard_bytes": opts.shard_bytes,
-        "shards": shards,
-        "source": source,  # what it was packed from: a pack onto it from other inputs is refused
-        "num_skipped": len(skipped),
-        "skipped": [{"line": s.line, "path": s.path, "reason": s.reason} for s in skipped],
-    }
-    manifest_text = json.dumps(manifest, indent=1) + "\n"
-    if out.read_text(MANIFEST_NAME) != manifest_text:
-        out.write_text(MANIFEST_NAME, manifest_text)
-    # Only after the new manifest is in place: shards of an earlier pack that it no longer names.
-    out.remove_shards_except({s["name"] for s in shards})
+            progress.update(num_rows, f"{writer.num_bytes / 2**20:,.1f} MB  {len(skipped)} skipped")
+    progress.update(num_rows, f"{writer.num_bytes / 2**20:,.1f} MB  {len(skipped)} skipped", final=True)
+    manifest = writer.commit(
+        {"group_column": opts.group, "path_template": template, "max_side": opts.max_side,
+         "quality": opts.quality if opts.max_side is not None else None, "shard_bytes": opts.shard_bytes},
+        {"source": source,  # what it was packed from: a pack onto it from other inputs is refused
+         "num_skipped": len(skipped), "skipped": [{"line": s.line, "path": s.path, "reason": s.reason} for s in skipped]},
+    )
     return PackSummary(
         out_dir=out.root,
         num_rows=num_rows,
         num_records=manifest["num_records"],
-        num_bytes=num_bytes,
-        num_shards=len(shards),
-        num_shards_written=written,
+        num_bytes=writer.num_bytes,
+        num_shards=len(writer.shards),
+        num_shards_written=writer.written,
         label_names=label_names,
+        skipped=tuple(skipped),
+    )
+
+
+def pack_webdataset(
+    source: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, shard_bytes: int = 128 << 20,
+    replace: bool = False,
+) -> PackSummary:
+    """Convert WebDataset tar shards (a directory or object-storage prefix of ``*.tar``; see
+    :mod:`xlatrain.data.webdataset`) into xlatrain shards in ``out_dir`` (local or ``gs://``).
+
+    The records keep the tars' order, labels (``cls`` and numeric ``json`` fields) and groups;
+    each tar is read once. A sample without a JPEG member is skipped and listed in the manifest.
+    ``ShardDataset`` reads the tars in place too; a converted pack opens from its index alone and
+    has checksums.
+    """
+    from types import SimpleNamespace
+
+    from xlatrain.data import webdataset
+
+    src: Path | str = str(source).rstrip("/") if storage.is_url(source) else Path(source)
+    remote = storage.is_url(out_dir)
+    out: _LocalOut | _StorageOut = _StorageOut(str(out_dir)) if remote else _LocalOut(Path(out_dir))
+    out.check()
+    tars = webdataset.list_tars(src)
+    if not tars:
+        raise ValueError(f"{source} holds no .tar files: give --webdataset the directory (or gs:// prefix) of the tar shards")
+    described = {"webdataset": str(src), "tars": [[name, size] for name, size in tars], "shard_bytes": shard_bytes}
+    if not replace:
+        _refuse_other_inputs(out, described)
+    ix = webdataset.open_tar_index(src, tars, SimpleNamespace(on_error="raise"))
+    assert ix.paths is not None
+    out.prepare()
+    writer = _ShardWriter(out, ix.label_names, shard_bytes)
+    skipped: list[SkippedRow] = []
+    for s, (name, _) in enumerate(tars):
+        blob = storage.read_bytes(storage.join(str(src), name)) if isinstance(src, str) else (src / name).read_bytes()
+        for row in np.flatnonzero(ix.shard == s).tolist():
+            if ix.length[row] < 0:
+                skipped.append(SkippedRow(line=0, path=ix.paths[row], reason="the sample has no .jpg member"))
+                continue
+            start, length = int(ix.start[row]), int(ix.length[row])
+            writer.add(ShardRecord(
+                data=blob[start:start + length], labels=tuple(float(v) for v in ix.labels[row]),
+                group=ix.group_names[int(ix.group_codes[row])], path=ix.paths[row], height=int(ix.height[row]),
+                width=int(ix.width[row]), channels=int(ix.channels[row]),
+            ))
+    manifest = writer.commit(
+        {"group_column": None, "path_template": None, "max_side": None, "quality": None, "shard_bytes": shard_bytes},
+        {"source": described, "num_skipped": len(skipped),
+         "skipped": [{"line": s.line, "path": s.path, "reason": s.reason} for s in skipped]},
+    )
+    return PackSummary(
+        out_dir=out.root, num_rows=len(ix.length), num_records=manifest["num_records"], num_bytes=writer.num_bytes,
+        num_shards=len(writer.shards), num_shards_written=writer.written, label_names=ix.label_names,
         skipped=tuple(skipped),
     )
 

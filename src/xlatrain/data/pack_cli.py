@@ -11,7 +11,8 @@ import os
 import sys
 from typing import Any
 
-_DESCRIPTION = "``xlatrain pack``: an image folder plus a CSV -> a directory of shards and a manifest."
+_DESCRIPTION = ("``xlatrain pack``: an image folder plus a CSV (or WebDataset tar shards) -> a directory of shards "
+                "and a manifest, local or on object storage (gs://).")
 
 
 def add_pack_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -44,6 +45,8 @@ def add_pack_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--quality", type=int, default=95, help="JPEG quality when re-encoding (default 95)")
     parser.add_argument("--shard-mb", type=float, default=128.0, help="target shard size in MB (default 128)")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes (default: all cores)")
+    parser.add_argument("--webdataset", metavar="SRC",
+                        help="convert WebDataset tar shards (a directory or gs:// prefix of .tar files) instead of a CSV")
     parser.add_argument("--verify", metavar="DIR", help="check every checksum and decode every record of DIR, then exit")
     parser.add_argument("--quiet", action="store_true", help="no progress line")
     parser.add_argument("--replace", action="store_true",
@@ -62,6 +65,16 @@ def run_pack_command(args: argparse.Namespace) -> int:
         report = verify(args.verify, workers=args.workers, progress=not args.quiet)
         print(report.describe(), file=sys.stderr)
         return 0 if report.ok else 1
+    if args.webdataset:
+        from xlatrain.data.pack import pack_webdataset
+
+        if not args.out:
+            raise ValueError("xlatrain pack --webdataset SRC needs --out (the shard directory or gs:// prefix to write)")
+        if args.csv or args.images:
+            raise ValueError("--webdataset converts tar shards: leave out --csv and --images (they are for an image folder)")
+        summary = pack_webdataset(args.webdataset, args.out, shard_bytes=int(args.shard_mb * 2**20), replace=args.replace)
+        print(summary.describe(), file=sys.stderr)
+        return 0 if summary.num_records > 0 else 1
     missing = [flag for flag, value in (("--csv", args.csv), ("--images", args.images), ("--out", args.out)) if not value]
     if missing:
         raise ValueError(f"xlatrain pack needs {' '.join(missing)} (or --verify DIR to check a shard directory)")
