@@ -182,6 +182,12 @@ def test_a_missing_or_truncated_object_is_an_error_naming_the_shard_or_left_out_
     left_out = entries[1]["num_records"] + entries[2]["num_records"]
     assert len(ds) == NUM - left_out
     assert any("truncated" in reason for _, _, reason in ds._index.dropped)
+    from xlatrain.data.pack import verify
+
+    assert verify(url).ok
+    report = verify(f"gs://{BUCKET}/damaged", workers=2)
+    assert not report.ok and len(report.problems) == 2
+    assert f"shard {entries[1]['name']} is missing" in report.problems[0] and "truncated" in report.problems[1]
 
 
 def test_a_storage_server_that_goes_away_mid_epoch_and_comes_back_is_retried_and_reported(packed, gcs, caplog):

@@ -684,7 +684,7 @@ def _refuse_other_inputs(out: _LocalOut | _StorageOut, source: dict[str, Any]) -
 class VerifyReport:
     """What :func:`verify` found; ``ok`` when ``problems`` is empty."""
 
-    root: Path
+    root: Path | str
     num_shards: int
     num_records: int
     problems: tuple[str, ...]
@@ -705,33 +705,34 @@ class VerifyReport:
 
 
 def _verify_shard(root: str, entry: dict[str, Any]) -> tuple[int, list[str]]:
-    path = Path(root) / entry["name"]
+    remote = storage.is_url(root)
+    path = storage.join(root, entry["name"]) if remote else Path(root) / entry["name"]
     try:
         index = read_shard_index(path, expected_bytes=int(entry["num_bytes"]))
-    except ShardError as exc:
+        # The whole shard, once: hashed, then its records checked (a remote one is fetched once).
+        blob = storage.read_bytes(str(path)) if remote else Path(path).read_bytes()
+    except (ShardError, storage.StorageError) as exc:
         return 0, [str(exc)]
     problems = []
-    digest = file_sha256(path)
+    digest = hashlib.sha256(blob).hexdigest()
     if digest != entry["sha256"]:
         problems.append(f"shard {entry['name']} fails its checksum (SHA-256 {digest[:16]}..., the manifest says {entry['sha256'][:16]}...)")
     if index.num_records != int(entry["num_records"]):
         problems.append(f"shard {entry['name']} holds {index.num_records} records, the manifest says {entry['num_records']}")
-    with open(path, "rb") as f:
-        for i in range(index.num_records):
-            f.seek(index.starts[i])
-            data = f.read(int(index.starts[i + 1] - index.starts[i]))
-            where = f"shard {entry['name']} record {i} (source {index.paths[i]})"
-            if zlib.crc32(data) != int(index.crc32[i]):
-                problems.append(f"{where}: CRC32 checksum mismatch")
-                continue
-            try:
-                h, w, _, _ = simplejpeg.decode_jpeg_header(data)
-                simplejpeg.decode_jpeg(data, colorspace="GRAY" if index.channels[i] == 1 else "RGB", strict=True)
-            except ValueError as exc:
-                problems.append(f"{where}: cannot decode ({exc})")
-                continue
-            if (h, w) != (index.height[i], index.width[i]):
-                problems.append(f"{where}: decodes to {h}x{w}, the index says {index.height[i]}x{index.width[i]}")
+    for i in range(index.num_records):
+        data = blob[int(index.starts[i]): int(index.starts[i + 1])]
+        where = f"shard {entry['name']} record {i} (source {index.paths[i]})"
+        if zlib.crc32(data) != int(index.crc32[i]):
+            problems.append(f"{where}: CRC32 checksum mismatch")
+            continue
+        try:
+            h, w, _, _ = simplejpeg.decode_jpeg_header(data)
+            simplejpeg.decode_jpeg(data, colorspace="GRAY" if index.channels[i] == 1 else "RGB", strict=True)
+        except ValueError as exc:
+            problems.append(f"{where}: cannot decode ({exc})")
+            continue
+        if (h, w) != (index.height[i], index.width[i]):
+            problems.append(f"{where}: decodes to {h}x{w}, the index says {index.height[i]}x{index.width[i]}")
     return index.num_records, problems
 
 
@@ -744,7 +745,7 @@ def verify(root: str | os.PathLike[str], *, workers: int = 1, progress: bool = F
     """
     if workers < 1:
         raise ValueError(f"workers={workers!r} is not valid: use 1 or more processes")
-    root = Path(root)
+    root = str(root).rstrip("/") if storage.is_url(root) else Path(root)
     manifest = read_manifest(root)
     entries = manifest["shards"]
     bar = _Progress(progress, len(entries), "verify (shards)")

@@ -60,7 +60,7 @@ def run_pack_command(args: argparse.Namespace) -> int:
     from xlatrain.data.pack import pack, verify
 
     if args.verify:
-        if not os.path.isdir(args.verify):
+        if "://" not in args.verify and not os.path.isdir(args.verify):
             raise ValueError(f"--verify {args.verify}: no such directory; give the shard directory `xlatrain pack --out` wrote")
         report = verify(args.verify, workers=args.workers, progress=not args.quiet)
         print(report.describe(), file=sys.stderr)
