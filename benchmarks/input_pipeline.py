@@ -150,16 +150,16 @@ def _decode_worker(images: list[bytes], options: dict[str, Any], conn: Connectio
         conn.send(len(images))
 
 
-class DecodeLimit:
-    """``workers`` processes decoding their shares of ``images`` with ``options``, on demand."""
+class OnDemand:
+    """Worker processes, each running ``target(*args, conn)`` on its part once per call; a call
+    returns (items done in all, seconds)."""
 
-    def __init__(self, images: list[bytes], workers: int, options: dict[str, Any]) -> None:
-        context = multiprocessing.get_context("fork")  # the bytes are inherited, not pickled
+    def __init__(self, context: Any, target: Callable[..., None], parts: list[tuple[Any, ...]]) -> None:
         self._conns: list[Connection] = []
         self._procs = []
-        for w in range(workers):
+        for args in parts:
             ours, theirs = context.Pipe()
-            proc = context.Process(target=_decode_worker, args=(images[w::workers], options, theirs), daemon=True)
+            proc = context.Process(target=target, args=(*args, theirs), daemon=True)
             proc.start()
             theirs.close()
             self._conns.append(ours)
@@ -177,6 +177,15 @@ class DecodeLimit:
             conn.send(None)
         for proc in self._procs:
             proc.join()
+
+
+class DecodeLimit(OnDemand):
+    """``workers`` processes decoding their shares of ``images`` with ``options``, on demand."""
+
+    def __init__(self, images: list[bytes], workers: int, options: dict[str, Any]) -> None:
+        # fork: the bytes are inherited, not pickled
+        super().__init__(multiprocessing.get_context("fork"), _decode_worker,
+                         [(images[w::workers], options) for w in range(workers)])
 
 
 def _epoch(batches: Iterable[Any]) -> tuple[int, float]:

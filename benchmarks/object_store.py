@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.input_pipeline import BATCH, SIZE, DecodeLimit, _epoch
+from benchmarks.input_pipeline import BATCH, SIZE, DecodeLimit, OnDemand, _epoch
 from xlatrain.data.pack import pack
 from xlatrain.data.shards import ShardDataset, iter_records
 from xlatrain.data.synthetic_rsna import LABEL_COLUMNS, PATH_COLUMNS, PATH_SUFFIX, generate
@@ -56,31 +56,13 @@ def _fetch_worker(url: str, tasks: list[tuple[list[str], list[int], list[int]]],
         conn.send(count)
 
 
-class FetchLimit:
+class FetchLimit(OnDemand):
     """``workers`` processes fetching their shares of an epoch's batches with gcsfs alone."""
 
     def __init__(self, url: str, batches: list[tuple[list[str], list[int], list[int]]], workers: int) -> None:
-        context = multiprocessing.get_context("spawn")  # a fresh gcsfs client each
-        self._conns, self._procs = [], []
-        for w in range(workers):
-            ours, theirs = context.Pipe()
-            proc = context.Process(target=_fetch_worker, args=(url, batches[w::workers], REQUESTS, theirs), daemon=True)
-            proc.start()
-            self._conns.append(ours)
-            self._procs.append(proc)
-
-    def __call__(self) -> tuple[int, float]:
-        start = time.perf_counter()
-        for conn in self._conns:
-            conn.send(True)
-        count = sum(conn.recv() for conn in self._conns)
-        return count, time.perf_counter() - start
-
-    def close(self) -> None:
-        for conn in self._conns:
-            conn.send(None)
-        for proc in self._procs:
-            proc.join()
+        # spawn: a fresh gcsfs client in each
+        super().__init__(multiprocessing.get_context("spawn"), _fetch_worker,
+                         [(url, batches[w::workers], REQUESTS) for w in range(workers)])
 
 
 def run() -> dict[str, Any]:

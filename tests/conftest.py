@@ -106,6 +106,24 @@ def run_script(args: list[str], env: dict[str, str] | None = None, timeout: int 
     return json.loads(lines[0][len("HISTORY ") :])
 
 
+def image_folder(root: Path, num: int, size: int = 16) -> tuple[Path, Path]:
+    """``num`` grey ``size`` px JPEGs ``root/img/{i}.jpg`` and ``root/t.csv`` listing them
+    (columns path, rid = i, cls = i % 3, grp = g{i // 4}): what the pack and shard tests pack."""
+    import numpy as np
+    import simplejpeg
+
+    images = root / "img"
+    images.mkdir(parents=True)
+    yy, xx = np.mgrid[:size, :size]
+    lines = ["path,rid,cls,grp"]
+    for i in range(num):
+        plane = ((xx * 7 + yy * 3 + i * 5) % 256).astype(np.uint8)[:, :, None]
+        (images / f"{i}.jpg").write_bytes(simplejpeg.encode_jpeg(plane, quality=95, colorspace="GRAY", colorsubsampling="Gray"))
+        lines.append(f"{i}.jpg,{i},{i % 3},g{i // 4}")
+    (root / "t.csv").write_text("\n".join(lines) + "\n")
+    return root / "t.csv", images
+
+
 def sign_images(n: int, seed: int):
     """``n`` random 1x8x8 images labelled by the sign of their mean: a task a small CNN learns in
     a few epochs (torch imported here: this module settles libtpu before torch is imported)."""

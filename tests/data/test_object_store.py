@@ -12,10 +12,9 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
-import simplejpeg
 import torch
+from conftest import image_folder
 from torch import nn
 
 from xlatrain import TrainConfig, Trainer, storage
@@ -37,19 +36,6 @@ def gcs(tmp_path_factory):
         yield server
 
 
-def _source(root):
-    images = root / "img"
-    images.mkdir(parents=True)
-    yy, xx = np.mgrid[:SIZE, :SIZE]
-    lines = ["path,rid,cls,grp"]
-    for i in range(NUM):
-        plane = ((xx * 7 + yy * 3 + i * 5) % 256).astype(np.uint8)[:, :, None]
-        (images / f"{i}.jpg").write_bytes(simplejpeg.encode_jpeg(plane, quality=95, colorspace="GRAY", colorsubsampling="Gray"))
-        lines.append(f"{i}.jpg,{i},{i % 3},g{i // 4}")
-    (root / "t.csv").write_text("\n".join(lines) + "\n")
-    return root / "t.csv", images
-
-
 def _pack(csv, images, out):
     return pack(csv, images, out, path_columns=["path"], labels=["rid", "cls"], group="grp", shard_bytes=2500,
                 progress=False)
@@ -57,7 +43,7 @@ def _pack(csv, images, out):
 
 @pytest.fixture(scope="module")
 def packed(gcs, tmp_path_factory):
-    csv, images = _source(tmp_path_factory.mktemp("src"))
+    csv, images = image_folder(tmp_path_factory.mktemp("src"), NUM, SIZE)
     local = _pack(csv, images, csv.parent / "s")
     remote = _pack(csv, images, f"gs://{BUCKET}/shards")
     assert remote.num_records == local.num_records == NUM and remote.num_shards == local.num_shards > 5

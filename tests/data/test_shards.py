@@ -12,6 +12,8 @@ import simplejpeg
 import torch
 from torch import nn
 
+from conftest import image_folder
+
 from xlatrain import TrainConfig, Trainer
 from xlatrain.data.pack import pack
 from xlatrain.data.sampling import EvalSampler
@@ -33,16 +35,8 @@ NUM = 101  # divides by none of the global batches below
 
 
 def _make(root, num=NUM, size=16, shard_bytes=2500):
-    images = root / "img"
-    images.mkdir(parents=True)
-    yy, xx = np.mgrid[:size, :size]
-    lines = ["path,rid,cls,grp"]
-    for i in range(num):
-        plane = ((xx * 7 + yy * 3 + i * 5) % 256).astype(np.uint8)[:, :, None]
-        (images / f"{i}.jpg").write_bytes(simplejpeg.encode_jpeg(plane, quality=95, colorspace="GRAY", colorsubsampling="Gray"))
-        lines.append(f"{i}.jpg,{i},{i % 3},g{i // 4}")
-    (root / "t.csv").write_text("\n".join(lines) + "\n")
-    summary = pack(root / "t.csv", images, root / "s", path_columns=["path"], labels=["rid", "cls"], group="grp",
+    csv, images = image_folder(root, num, size)
+    summary = pack(csv, images, root / "s", path_columns=["path"], labels=["rid", "cls"], group="grp",
                    shard_bytes=shard_bytes, progress=False)
     assert summary.num_records == num and summary.num_shards > num * 200 // shard_bytes
     return root / "s"
