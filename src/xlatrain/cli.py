@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from xlatrain.config import ACCELERATORS
 
@@ -39,13 +40,31 @@ def _fit(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     from xlatrain.report import write_comparison, write_report
 
+    from xlatrain import storage
+
+    # A run on object storage: its files (not its checkpoints) come down to its local copy, the
+    # report is made there and, without --out, goes up beside the run (URL/report/).
+    remote = {}
+    for url in (d for d in args.run_dirs if storage.is_url(d)):
+        from xlatrain.run_storage import RemoteRun
+
+        run = remote[url] = RemoteRun(url)
+        if not run.pull(files_only=True):
+            raise ValueError(f"{url} holds no run files (history.json): give xlatrain report a run directory")
+    run_dirs = [str(remote[d].local) if d in remote else d for d in args.run_dirs]
     try:
-        if len(args.run_dirs) == 1:
-            out = write_report(args.run_dirs[0], args.out)
+        if len(run_dirs) == 1:
+            out = write_report(run_dirs[0], args.out)
         else:
-            out = write_comparison(args.run_dirs, args.out)
+            out = write_comparison(run_dirs, args.out)
     except FileNotFoundError as exc:  # a path that is not a run directory: user input, not a crash
         raise ValueError(str(exc)) from None
+    first = args.run_dirs[0]
+    if args.out is None and first in remote:
+        local, target = Path(out), f"{first.rstrip('/')}/{Path(out).relative_to(remote[first].local).as_posix()}"
+        for f in sorted(p for p in ([local] if local.is_file() else local.rglob("*")) if p.is_file()):
+            storage.upload(f, f"{target}/{f.relative_to(local).as_posix()}" if local.is_dir() else target)
+        out = target
     print(f"wrote {out}")
     return 0
 

@@ -50,11 +50,12 @@ from xlatrain.diagnostics.compile import CompileWatch
 from xlatrain.diagnostics.profile import StepTrace
 from xlatrain.diagnostics.run import RunDiagnostics
 from xlatrain.logs import ensure_console, get_logger
-from xlatrain import run_lock
+from xlatrain import run_lock, storage
 from xlatrain.progress import IntervalMeter, interactive_terminal
 from xlatrain.report import write_history
 from xlatrain.tensorboard import TensorBoardLog
 from xlatrain.train.batch import BatchLayout, collate, tree_map
+from xlatrain.run_storage import RemoteRun
 from xlatrain.train.callbacks import Callbacks
 from xlatrain.train.observers import DiagnosticsObserver, Observers, ProgressObserver, TensorBoardObserver, TraceObserver
 from xlatrain.train.losses import EvalLoss, loss_terms
@@ -293,6 +294,7 @@ class Trainer:
         # observers (progress, TensorBoard, trace, diagnostics) before them.
         self._observers = Observers([], self._callbacks)
         self._lock: run_lock.RunLock | None = None  # held by the main process while fit runs
+        self._remote: RemoteRun | None = None  # run_dir on object storage: run_dir is then its local copy
         self._feed: _TrainFeed | None = None
         self._clear_pending = False  # resume="overwrite" clears the earlier run once the checks pass
         self._created_run_dir = False  # this fit made the run directory (removed again if it fails at once)
@@ -350,9 +352,12 @@ class Trainer:
             self._remove_unused_run_dir()
             raise
         finally:
-            if self._lock is not None:
-                self._lock.release()
-                self._lock = None
+            try:
+                self._remote_close()
+            finally:
+                if self._lock is not None:
+                    self._lock.release()
+                    self._lock = None
 
     def _fit(self, train_data: Any, val_data: Any | None, resume: bool | str) -> list[dict[str, Any]]:
         cfg, rt, st = self.config, self.runtime, self.strategy
@@ -397,7 +402,8 @@ class Trainer:
             f"{cfg.batch_size} per device x {st.world_size} device(s)"
             + (f" x {cfg.grad_accum_steps} accumulation steps" if cfg.grad_accum_steps > 1 else "")
             + f" | {feed.steps_per_epoch // cfg.grad_accum_steps} optimizer steps per epoch"
-            + f" | precision {cfg.precision} | run dir {self.run_dir}"
+            + f" | precision {cfg.precision} | run dir "
+            + (f"{self._remote.url} (working copy {self.run_dir})" if self._remote is not None else f"{self.run_dir}")
         )
         for note in rt.notes(cfg.compile):
             self._say(f"note: {note}")
@@ -939,7 +945,18 @@ class Trainer:
         ``run_dir-2``, ``-3``, ...; ``"overwrite"`` clears the earlier run's files once locked."""
         st = self.strategy
         base = Path(self.config.run_dir)
-        if resume is False and _holds_a_run(base):
+        self._remote = None
+        if storage.is_url(self.config.run_dir):
+            url = self.config.run_dir.rstrip("/")
+            if resume is False and RemoteRun(url).holds_a_run():
+                n = 2
+                while RemoteRun(f"{url}-{n}").holds_a_run():
+                    n += 1
+                self._say(f"{url} holds an earlier run; resume=False starts this one in {url}-{n}")
+                url = f"{url}-{n}"
+            self._remote = RemoteRun(url)
+            self._run_dir = self._remote.local
+        elif resume is False and _holds_a_run(base):
             n = 2
             while _holds_a_run(base.with_name(f"{base.name}-{n}")):
                 n += 1
@@ -958,8 +975,13 @@ class Trainer:
                 _make_run_dir(self._run_dir)
                 self._lock = run_lock.acquire(self._run_dir)
                 note = run_lock.stale_note(self._lock)
-            except run_lock.RunDirError as exc:
+                if self._remote is not None:
+                    note = self._remote_open(resume) or note
+            except (run_lock.RunDirError, storage.StorageError) as exc:
                 error = str(exc)
+                if self._lock is not None:  # refused on the store: the local copy is free again
+                    self._lock.release()
+                    self._lock = None
         # Every process learns the main process's verdict: a refused run stops everywhere, at once.
         error, note = st.gather_objects((error, note))[0] if st.num_processes > 1 else (error, note)
         if error is not None:
@@ -967,12 +989,39 @@ class Trainer:
         if note:
             self._say(note)
 
+    def _remote_open(self, resume: bool | str) -> str | None:
+        """The main process: lock the run on object storage, and bring down what a resume needs."""
+        assert self._remote is not None
+        note = self._remote.acquire()
+        if not self._remote.holds_a_run() and _holds_a_run(self._run_dir):
+            # The store is the run's record: a local copy of a run it no longer holds (removed
+            # there, or made by another session) is not continued.
+            removed = _clear_run(self._run_dir)
+            self._say(f"{self._remote.url} holds no run: removed the stale working copy's {', '.join(removed)}")
+        if resume not in (False, "overwrite"):
+            pulled = self._remote.pull()
+            if pulled:
+                self._say(f"brought down {len(pulled)} file(s) of {self._remote.url} into its working copy {self._run_dir}")
+        return note
+
+    def _remote_close(self) -> None:
+        """The main process: the run's last files up, and its lock on object storage removed."""
+        if self._remote is None or not self.strategy.is_main:
+            return
+        try:
+            if self._run_dir.is_dir():
+                self._remote.push_files()
+        finally:
+            self._remote.release()
+
     def _clear_earlier_run(self) -> None:
         """``resume="overwrite"``: remove the earlier run's files, now that this one can start."""
         if not self._clear_pending:
             return
         self._clear_pending = False
         if self.strategy.is_main:
+            if self._remote is not None:
+                self._remote.clear()
             removed = _clear_run(self._run_dir)
             if removed:
                 self._say(f"resume='overwrite': removed the earlier run's {', '.join(removed)} from {self._run_dir}")
@@ -1143,6 +1192,9 @@ class Trainer:
             cursor.best_checkpoint = path.name
         if st.is_main:
             prune_checkpoints(root, self.checkpoint.keep_last, keep={cursor.best_checkpoint} - {None})
+            if self._remote is not None:  # complete here: up it goes, then the files it goes with
+                self._remote.push_checkpoint(path)
+                self._remote.push_files()
         return path
 
     def _preempt(self, cursor: Cursor, sums: dict[str, torch.Tensor], stop: _StopSignals) -> None:

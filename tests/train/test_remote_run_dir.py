@@ -1,0 +1,77 @@
+"""A run directory on object storage (run_dir="gs://..."), against a GCS API server on 127.0.0.1."""
+
+import json
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from xlatrain import storage
+from xlatrain.storage_emulator import LocalGCS
+
+pytestmark = pytest.mark.object_store
+
+BUCKET = "runs"
+
+
+@pytest.fixture(scope="module")
+def gcs(tmp_path_factory):
+    with LocalGCS(bucket=BUCKET, data_dir=tmp_path_factory.mktemp("gcs")) as server:
+        yield server
+
+
+def _fit(url, epochs, cache, gcs, *extra, env=None):
+    from conftest import SCRIPTS, script_env
+
+    full = script_env({**gcs.env, "XLATRAIN_CACHE_DIR": str(cache), **(env or {})})
+    return subprocess.run([sys.executable, str(SCRIPTS / "remote_run_fit.py"), url, str(epochs), *extra],
+                          env=full, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+
+
+def _history(proc):
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("HISTORY "))[8:])
+
+
+def _objects(url):
+    fs, path = storage.filesystem(url)
+    return sorted(name[len(path) + 1:] for name in fs.find(path))
+
+
+def test_a_run_on_object_storage_goes_up_and_resumes_on_a_machine_that_has_none_of_it(gcs, tmp_path):
+    url = f"gs://{BUCKET}/{tmp_path.name}"
+    first = _history(_fit(url, 2, tmp_path / "vm1", gcs))
+    names = _objects(url)
+    assert "history.json" in names and "best.safetensors" in names and ".xlatrain.lock" not in names
+    assert any(n.startswith("checkpoints/step-") and n.endswith("/meta.json") for n in names)
+    # Another machine (an empty local cache): the run resumes from the store and trains on.
+    more = _fit(url, 3, tmp_path / "vm2", gcs)
+    history = _history(more)
+    assert [r["epoch"] for r in history] == [1, 2, 3] and history[:2] == first
+    assert "brought down" in more.stderr + more.stdout
+    assert json.loads(storage.read_bytes(f"{url}/history.json")) == history
+    # xlatrain report reads the run from the store and puts its report beside it.
+    from conftest import run_command
+
+    out = run_command([sys.executable, "-m", "xlatrain.cli", "report", url],
+                      env={**gcs.env, "XLATRAIN_CACHE_DIR": str(tmp_path / "vm3")}).stdout
+    assert f"wrote {url}/report" in out
+    assert any(n.startswith("report/") for n in _objects(url))
+
+
+def test_kill_9_while_a_checkpoint_goes_up_resumes_from_the_last_complete_one(gcs, tmp_path):
+    url = f"gs://{BUCKET}/{tmp_path.name}"
+    whole = _history(_fit(f"gs://{BUCKET}/{tmp_path.name}-whole", 3, tmp_path / "ref", gcs))
+    killed = _fit(url, 3, tmp_path / "vm1", gcs, "2")  # dies while epoch 2's checkpoint goes up
+    assert killed.returncode == -signal.SIGKILL
+    steps = sorted({n.split("/")[1] for n in _objects(url) if n.startswith("checkpoints/")})
+    complete = sorted({n.split("/")[1] for n in _objects(url) if n.endswith("/meta.json")})
+    assert len(steps) == 2 and complete == steps[:1]  # the second one is part way up, without its meta.json
+    # At once, from another machine: the lock of the killed run is fresh, so the run is refused.
+    refused = _fit(url, 3, tmp_path / "vm2", gcs)
+    assert refused.returncode != 0 and "is in use by another run" in refused.stderr
+    # Once it is stale (here: at once), the run takes it over and resumes from epoch 1's checkpoint.
+    resumed = _fit(url, 3, tmp_path / "vm2", gcs, env={"XLATRAIN_RUN_LOCK_STALE_S": "0"})
+    assert "took over the lock" in resumed.stderr + resumed.stdout
+    assert [(r["epoch"], r["train_loss"]) for r in _history(resumed)] == [(r["epoch"], r["train_loss"]) for r in whole]
