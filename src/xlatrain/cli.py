@@ -33,7 +33,7 @@ def _fit(args: argparse.Namespace) -> int:
     resume: bool | str = False if args.fresh else ("overwrite" if args.overwrite else (args.resume or "auto"))
     trainer, history = run(config, resume=resume)
     if trainer.backend.is_main and history:
-        print(f"history: {trainer.run_dir}/history.csv  best weights: {trainer.run_dir}/best.safetensors")
+        print(f"history: {trainer.run_location}/history.csv  best weights: {trainer.run_location}/best.safetensors")
     return 0
 
 

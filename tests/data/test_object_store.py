@@ -277,15 +277,17 @@ def test_the_pe_recipe_packs_to_and_trains_from_object_storage_from_the_command_
     args = [sys.executable, "-m", "xlatrain.cli", "fit", str(configs / "pe_detection.yaml")]
     for item in ["data.num_studies=6", "data.slices_per_study=[4,5]", "data.stored_size=48", "data.image_size=32",
                  "data.num_folds=2", "data.workers=1", "model.name=small_cnn", "model.width=8", "trainer.batch_size=8",
-                 "trainer.epochs=1", "backend.accelerator=cpu", f"trainer.run_dir={tmp_path / 'run'}",
+                 "trainer.epochs=1", "backend.accelerator=cpu", f"trainer.run_dir={url}-run",
                  f"data.root={tmp_path / 'data'}", f"data.shards={url}", f"data.cache_dir={tmp_path / 'cache'}"]:
         args += ["--set", item]
-    run_command(args, env=gcs.env, timeout=600)
+    out = run_command(args, env={**gcs.env, "XLATRAIN_CACHE_DIR": str(tmp_path / "xc")}, timeout=600).stdout
     assert storage.exists(f"{url}/manifest.json")
     assert not (tmp_path / "data" / "shards").exists()  # packed straight to the bucket
     assert any((tmp_path / "cache").rglob("*.xshard"))  # and read through the cache
-    history = json.loads((tmp_path / "run" / "history.json").read_text())
+    # The run's files went to the bucket too: history, config, checkpoint.
+    history = json.loads(storage.read_bytes(f"{url}-run/history.json"))
     assert len(history) == 1 and history[0]["val_weighted_log_loss"] == history[0]["val_weighted_log_loss"]
+    assert storage.exists(f"{url}-run/config.yaml") and f"history: {url}-run/history.csv" in out
 
 
 # --- WebDataset tar shards, read in place -----------------------------------------------------

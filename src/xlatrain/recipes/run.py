@@ -145,4 +145,5 @@ def run(config: RunConfig, resume: bool | str = "auto") -> tuple[Trainer, list[d
     history = trainer.fit(parts.train_data, parts.val_data, resume=resume)
     if trainer.backend.is_main and trainer.epochs_trained:  # a finished run's rerun leaves its files as they are
         atomic_write_text(trainer.run_dir / "config.yaml", dump_yaml(config))
+        trainer.publish("config.yaml")
     return trainer, history

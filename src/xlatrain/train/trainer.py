@@ -317,8 +317,21 @@ class Trainer:
         return self.config.batch_size * self.strategy.world_size
 
     @property
+    def run_location(self) -> str:
+        """Where the run is kept: its URL when ``run_dir`` is on object storage, else ``run_dir``."""
+        return self._remote.url if self._remote is not None else str(self._run_dir)
+
+    def publish(self, *names: str) -> None:
+        """Files written into :attr:`run_dir` after ``fit`` (a recipe's ``config.yaml``, a plot)
+        go up to the run's object-storage URL too (main process); a local run has nothing to do."""
+        if self._remote is not None and self.strategy.is_main:
+            for name in names:
+                storage.upload(self._run_dir / name, f"{self._remote.url}/{name}")
+
+    @property
     def run_dir(self) -> Path:
-        """The directory this run writes to (``config.run_dir``, or a new sibling for resume=False)."""
+        """The directory this run writes to (``config.run_dir``, or a new sibling for resume=False;
+        for a ``run_dir`` on object storage, its local working copy: see :attr:`run_location`)."""
         return self._run_dir
 
     def fit(self, train_data: Any, val_data: Any | None = None, *, resume: bool | str = "auto") -> list[dict[str, Any]]:
