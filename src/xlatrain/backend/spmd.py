@@ -133,7 +133,10 @@ class Spmd(XlaStrategy):
         import torch_xla
         from torch_xla.experimental.distributed_checkpoint import SPMDSavePlanner
 
+        import torch_xla.core.xla_model as xm
+
         torch_xla.sync()  # the state saved is the state after the last step
+        xm.wait_device_ops()  # its shards are read next: none may still be in flight
         return model_state.save_dcp(path, model, optimizer, no_dist=self.num_processes == 1, planner=SPMDSavePlanner())
 
     def load_sharded(

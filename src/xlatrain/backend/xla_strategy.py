@@ -143,8 +143,13 @@ def _prime_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
     import torch_xla
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    import torch_xla.core.xla_model as xm
+
     get_state_dict(model, optimizer)
     torch_xla.sync()
+    # DCP then writes into these tensors: a tensor whose computation is still running cannot be
+    # touched ("an async operation is in flight"), so wait for the launched work.
+    xm.wait_device_ops()
 
 
 def device_part(t: torch.Tensor) -> tuple[torch.Size, torch.dtype]:
