@@ -68,6 +68,7 @@ class RemoteRun:
         self.fs, self.path = storage.filesystem(self.url)
         self._locked = False
         self._stop = threading.Event()
+        self._sent: dict[str, tuple[int, int]] = {}  # file -> (size, mtime) when it last went up
 
     # -- what is there --------------------------------------------------------------------------
     def _objects(self, under: str = "") -> dict[str, int]:
@@ -211,12 +212,17 @@ class RemoteRun:
             storage.retrying("removing", self.url, lambda n=name: self.fs.rm(f"{self.path}/checkpoints/{n}", recursive=True))
 
     def push_files(self) -> None:
-        """Upload the run's files other than checkpoints (rewritten whole: they are small)."""
+        """Upload the run's files other than checkpoints that changed since they last went up
+        (each whole: they are small)."""
         for f in sorted(p for p in self.local.rglob("*") if p.is_file()):
             rel = f.relative_to(self.local).as_posix()
             if rel.split("/")[0] == "checkpoints" or f.name.startswith(".") or ".part-" in f.name:
                 continue
+            info = f.stat()
+            if self._sent.get(rel) == (info.st_size, info.st_mtime_ns):
+                continue  # unchanged since it last went up
             storage.upload(f, f"{self.url}/{rel}")
+            self._sent[rel] = (info.st_size, info.st_mtime_ns)
         self.renew()
 
     def clear(self) -> None:

@@ -210,7 +210,8 @@ def test_a_server_that_stays_away_fails_with_the_url_and_the_fix_after_bounded_r
         gcs.start()
 
 
-def test_a_local_cache_serves_later_epochs_without_the_server_and_stays_within_its_limit(packed, gcs, tmp_path):
+def test_a_local_cache_serves_later_epochs_without_the_server_and_stays_within_its_limit(packed, gcs, tmp_path,
+                                                                                        monkeypatch):
     local, url, _ = packed
     near = _batches(ShardDataset(local, channels=1))
     cache = tmp_path / "cache"
@@ -240,7 +241,9 @@ def test_a_local_cache_serves_later_epochs_without_the_server_and_stays_within_i
         _same(_batches(again), near)
     finally:
         gcs.start()
-    # A cache smaller than the pack keeps to its limit and reads the same records.
+    # A cache smaller than the pack keeps to its limit and reads the same records (no grace for
+    # files in use here: this one process reads them all within seconds).
+    monkeypatch.setattr(shards_module._ShardCache, "IN_USE_S", 0.0)
     limit = 2 * max(e["num_bytes"] for e in entries)
     small = ShardDataset(url, channels=1, cache_dir=str(tmp_path / "small"), cache_bytes=limit)
     _same(_batches(small), near)

@@ -30,6 +30,7 @@ import pickle
 import select
 import signal
 import struct
+import time
 import traceback
 import weakref
 import zlib
@@ -617,8 +618,12 @@ class _ShardCache:
     reads an old copy. When the directory holds more than ``limit`` bytes, the files used least
     recently (their modification time, renewed on each use) are removed; a process that has one
     open keeps reading it (the file goes when it is closed), and one that needs it again fetches it.
-    What is read, and in which order, does not depend on what is cached.
+    A file used in the last ``IN_USE_S`` seconds is not removed (another process may be about to
+    open it), so the directory can hold more than ``limit`` for that long. What is read, and in
+    which order, does not depend on what is cached.
     """
+
+    IN_USE_S = 30.0
 
     def __init__(self, root: str, directory: str, limit: int) -> None:
         self.root = root
@@ -657,9 +662,10 @@ class _ShardCache:
                         info = f.stat()
                         entries.append((info.st_mtime_ns, info.st_size, f.path))
         total = sum(size for _, size, _ in entries)
-        for _, size, path in sorted(entries):
-            if total <= self.limit:
-                break
+        recent = time.time_ns() - int(self.IN_USE_S * 1e9)
+        for used, size, path in sorted(entries):
+            if total <= self.limit or used >= recent:
+                break  # oldest first: the rest were used more recently still
             if path != str(keep):
                 with contextlib.suppress(FileNotFoundError):  # another process removed it first
                     os.unlink(path)
