@@ -271,7 +271,8 @@ class ProcessGroup(Protocol):
 
 
 def write_sharded_checkpoint(
-    root: str | os.PathLike[str], step: int, meta: dict, save_state: Callable[[Path], dict], group: ProcessGroup
+    root: str | os.PathLike[str], step: int, meta: dict, save_state: Callable[[Path], dict], group: ProcessGroup,
+    upload_part: Callable[[Path, str], None] | None = None,
 ) -> Path:
     """Every process writes its part of one checkpoint; it appears complete, or not at all.
 
@@ -280,6 +281,13 @@ def write_sharded_checkpoint(
     makes the temporary directory; all write into it; the main process then writes meta.json with
     the sha256 of the shards' index and renames the directory into place. A failure on any
     process fails the save on every process, with the previous checkpoint still the latest.
+
+    ``upload_part(file, name)`` (a run directory on object storage): each process sends the part
+    it wrote itself, as ``name`` (``step-.../shards/__<process>.safetensors``), before the main
+    process commits, so the parts of processes on other hosts, whose local disks the main process
+    cannot read, reach the store, and the checkpoint's meta.json can go up after all of them. A
+    process whose temporary directory lacks the index (the main process wrote it on another host's
+    disk) removes its own copy once its part is up.
     """
     import shutil
 
@@ -291,11 +299,13 @@ def write_sharded_checkpoint(
         try:
             root.mkdir(parents=True, exist_ok=True)
             tmp.mkdir()
-            plan = (name, str(tmp), None)
+            plan = (name, tmp.name, None)
         except OSError as exc:
-            plan = (name, str(tmp), str(_save_failed(root, name, exc, tmp)))
+            plan = (name, tmp.name, str(_save_failed(root, name, exc, tmp)))
+    # Names, not paths: each process writes under its own ``root`` (the same directory on one
+    # host or a shared filesystem; each host's own working copy of a run on object storage).
     name, tmp_name, error = group.gather_objects(plan)[0]
-    tmp = Path(tmp_name)
+    tmp = root / tmp_name
     if error is not None:
         raise CheckpointError(error)
     failure: str | None = None
@@ -303,6 +313,32 @@ def write_sharded_checkpoint(
         extra = save_state(tmp / SHARDS_DIR)
     except Exception as exc:  # DCP reports every process's failure on every process
         failure = f"could not save checkpoint {root / name}: {exc}"
+
+    def failed() -> CheckpointError:
+        if group.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        latest = latest_name(root)
+        return CheckpointError(
+            (failure or f"could not save checkpoint {root / name}: another process failed")
+            + ("" if "the latest checkpoint is still" in (failure or "") else
+               f"; the latest checkpoint is still {latest or 'none'}")
+        )
+
+    if upload_part is not None:
+        from xlatrain.shard_storage import shard_file
+
+        part = f"{SHARDS_DIR}/{shard_file(group.process_index)}"
+        if failure is None:
+            try:
+                if not (tmp / part).is_file():
+                    raise FileNotFoundError(f"this process's part {tmp / part} is not where it was written")
+                upload_part(tmp / part, f"{name}/{part}")
+            except OSError as exc:  # a StorageError names the URL and the fix
+                failure = f"could not save checkpoint {root / name}: {exc}"
+        if not group.is_main and not (tmp / SHARDS_INDEX).exists():
+            shutil.rmtree(tmp, ignore_errors=True)  # another host's disk: the part is up, the copy is not needed
+        if group.any_process(failure is not None):
+            raise failed()
     if failure is None and group.is_main:
         try:
             index = (tmp / SHARDS_INDEX).read_bytes()
@@ -310,14 +346,7 @@ def write_sharded_checkpoint(
         except OSError as exc:
             failure = str(_save_failed(root, name, exc, tmp))
     if group.any_process(failure is not None):
-        if group.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-        latest = latest_name(root)
-        raise CheckpointError(
-            (failure or f"could not save checkpoint {root / name}: another process failed")
-            + ("" if "the latest checkpoint is still" in (failure or "") else
-               f"; the latest checkpoint is still {latest or 'none'}")
-        )
+        raise failed()
     return root / name
 
 
@@ -368,24 +397,31 @@ def check_shards(path: Path, index: dict, which: slice = slice(None)) -> None:
 
 
 def find_resumable(
-    root: str | os.PathLike[str], group: ProcessGroup | None = None, failures: list[str] | None = None
+    root: str | os.PathLike[str], group: ProcessGroup | None = None, failures: list[str] | None = None,
+    fetch: Callable[[str], None] | None = None,
 ) -> tuple[Path, dict[str, torch.Tensor] | None, dict] | None:
     """The newest checkpoint under ``root`` that verifies; damaged ones are skipped with a warning
     (and their errors appended to ``failures``).
 
     With ``group`` (the job's processes) every process takes the same decision: the main process
     lists the checkpoints, the shards of a sharded one are verified part by part across the
-    processes, and one that fails anywhere is skipped everywhere.
+    processes, and one that fails anywhere is skipped everywhere. ``fetch(name)``, where given,
+    runs on this process before it reads checkpoint ``name``: it makes the local copy hold it (a
+    run directory on object storage, on a host other than the main process's), or raises
+    :class:`CheckpointError`.
     """
     many = group is not None and group.num_processes > 1
-    candidates = [str(p) for p in reversed(list_checkpoints(root))]
-    if many:
+    root = Path(root)
+    candidates = [p.name for p in reversed(list_checkpoints(root))]
+    if many:  # the main process's list, each process reading under its own root (see above)
         candidates = group.gather_objects(candidates if group.is_main else None)[0]
     for candidate in candidates:
-        path = Path(candidate)
+        path = root / candidate
         found: tuple[dict[str, torch.Tensor] | None, dict] | None = None
         error: str | None = None
         try:
+            if fetch is not None:
+                fetch(path.name)
             found = read_checkpoint(path, verify_shards=not many)
             if many and found[0] is None:
                 index = json.loads((path / SHARDS_INDEX).read_text())

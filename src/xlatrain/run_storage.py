@@ -21,9 +21,19 @@ events. What it writes goes up to the URL as it is written:
   and is taken over, saying so. It is removed when the run ends, however it ends short of a kill
   (a preemption's SIGTERM included).
 
-Only the main process writes to the store. A sharded checkpoint goes up from the host of the
-main process, so its processes must share that host's local copy (one host); a run of several
-hosts keeps its run directory on a shared filesystem for now.
+Several processes, several hosts (a pod slice, torchrun over nodes): each host has its own local
+copy, and the store is what they share.
+
+- **Saving**: the main process writes the run's files and whole checkpoints, as above. A sharded
+  checkpoint's parts are each sent by the process that wrote it, under its final name, before the
+  main process commits; the index and meta.json then go up from the main process, meta.json last.
+  A part written on another host's disk is removed there once it is up.
+- **Resuming**: the main process brings down what it needs (above); every other process, before
+  it reads a checkpoint, makes its host's copy hold that checkpoint as the store has it (one
+  process per host downloads, under a lock file beside the copy; its meta.json must equal the
+  store's, so a stale copy left on a host by an earlier run is replaced, and a checkpoint that
+  never reached the store is skipped by every process). Each host brings down the whole
+  checkpoint, not only the parts its processes read.
 """
 
 from __future__ import annotations
@@ -193,10 +203,42 @@ class RemoteRun:
                 shutil.rmtree(final)  # an incomplete local copy of it
             os.rename(tmp, final)
 
+    def ensure_checkpoint(self, name: str) -> None:
+        """Make this host's copy hold checkpoint ``name`` as the store has it (a process other than
+        the main one, before it reads the checkpoint); ``CheckpointError`` when the store holds no
+        complete checkpoint of that name."""
+        import fcntl
+
+        from xlatrain.checkpoint import CheckpointError
+
+        rel = f"checkpoints/{name}/{META}"
+        try:
+            committed = storage.retrying("reading", f"{self.url}/{rel}", lambda: self.fs.cat_file(f"{self.path}/{rel}"))
+        except storage.StorageError as exc:
+            if isinstance(exc.__cause__, FileNotFoundError):
+                raise CheckpointError(f"checkpoint {self.url}/checkpoints/{name} is not complete on the store "
+                                      "(its meta.json never went up)") from None
+            raise CheckpointError(str(exc)) from exc
+        self.local.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.local.parent / f"{self.local.name}.pull-lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # the processes of one host share its copy: one downloads
+            here = self.local / rel
+            if here.is_file() and here.read_bytes() == committed:
+                return
+            try:
+                self._download(sorted(self._objects(f"checkpoints/{name}")))
+            except storage.StorageError as exc:
+                raise CheckpointError(str(exc)) from exc
+
     # -- up -------------------------------------------------------------------------------------
-    def push_checkpoint(self, path: Path) -> None:
-        """Upload a checkpoint complete locally: its files, then its meta.json (the commit)."""
-        files = sorted(p for p in path.rglob("*") if p.is_file())
+    def push_part(self, local: Path, rel: str) -> None:
+        """Upload one file of a checkpoint that is not committed yet (``rel``: under checkpoints/)."""
+        storage.upload(local, f"{self.url}/checkpoints/{rel}")
+
+    def push_checkpoint(self, path: Path, already_up: tuple[str, ...] = ()) -> None:
+        """Upload a checkpoint complete locally: its files (but ``already_up``, relative to it,
+        which the processes that wrote them sent), then its meta.json (the commit)."""
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.relative_to(path).as_posix() not in already_up)
         for f in sorted(files, key=lambda p: p.name == META):
             rel = f"checkpoints/{path.name}/{f.relative_to(path).as_posix()}"
             storage.upload(f, f"{self.url}/{rel}")

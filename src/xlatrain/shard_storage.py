@@ -52,6 +52,11 @@ def _chunk_key(fqn: str, offsets: Iterable[int]) -> str:
     return f"{fqn}@{','.join(str(int(o)) for o in offsets)}"
 
 
+def shard_file(process: int) -> str:
+    """The file process ``process`` writes (DCP orders the save plans by process rank)."""
+    return f"__{process}.safetensors"
+
+
 def sha256_file(path: str | os.PathLike[str]) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -86,7 +91,7 @@ class SafeShardWriter(StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         # Each process learns the file it writes from the coordinator's plan.
-        return [dataclasses.replace(plan, storage_data=f"__{i}.safetensors") for i, plan in enumerate(plans)]
+        return [dataclasses.replace(plan, storage_data=shard_file(i)) for i, plan in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         file_name = plan.storage_data

@@ -1,7 +1,7 @@
 """A small model of repeated blocks, with a tied embedding, trained under a chosen strategy.
 
 Usage: python strategy_fit.py RUN_DIR ACCELERATOR STRATEGY EPOCHS PER_DEVICE_BATCH [key=value ...]
-keys: opt=adamw (default SGD with momentum)  accum=N  clip=X  precision=bf16  every=N (checkpoint every N optimizer steps)  meta=1
+keys: hosts=DIR (each process keeps its local files in DIR/host<rank>, as if on a host of its own)  opt=adamw (default SGD with momentum)  accum=N  clip=X  precision=bf16  every=N (checkpoint every N optimizer steps)  meta=1
 (build on the meta device)  ac=1 (activation checkpointing)  ema=D (an EMA of the weights with that decay)  predict=1  final=1 (save the final
 weights)  devices=N
 The main process prints HISTORY (per-epoch rows), FACTS (per process: what it holds), MEMORY (per
@@ -11,6 +11,7 @@ pass) and, with predict=1, PREDICT (the validation outputs in dataset order).
 
 import functools
 import json
+import os
 import sys
 
 import torch
@@ -59,6 +60,8 @@ def data(n: int, seed: int) -> TensorDataset:
 def main() -> None:
     run_dir, accelerator, strategy, epochs, batch = sys.argv[1:6]
     opts = dict(arg.split("=", 1) for arg in sys.argv[6:])
+    if "hosts" in opts:  # a run directory on object storage: each process's working copy on a disk of its own
+        os.environ["XLATRAIN_CACHE_DIR"] = f"{opts['hosts']}/host{os.environ.get('RANK', '0')}"
     torch.manual_seed(0)
     if opts.get("meta") == "1":
         with torch.device("meta"):

@@ -165,6 +165,49 @@ def test_a_ddp_checkpoint_resumes_under_fsdp_in_one_process(ddp, tmp_path):
     _same_weights(cut / "final.safetensors", run_dir / "final.safetensors")
 
 
+@pytest.fixture(scope="module")
+def gcs(tmp_path_factory):
+    from xlatrain.storage_emulator import LocalGCS
+
+    with LocalGCS(bucket="runs", data_dir=tmp_path_factory.mktemp("gcs")) as server:
+        yield server
+
+
+@pytest.mark.multiprocess
+@pytest.mark.object_store
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_hosts_checkpoint_to_object_storage_and_two_other_hosts_resume(strategy, gcs, tmp_path, request, monkeypatch):
+    """Each process on a disk of its own (as on the hosts of a pod slice): the checkpoints reach
+    the store whole, and two fresh hosts resume from it and train the uninterrupted run."""
+    from xlatrain import storage
+    from xlatrain.run_storage import local_copy
+
+    _, whole = request.getfixturevalue(strategy)
+    url = f"gs://runs/{tmp_path.name}"
+    common = ["accum=2", "clip=0.5", "every=3"]
+    env = gcs.env
+    _fit(url, "cpu", strategy, 1, 12, *common, f"hosts={tmp_path / 'a'}", launcher=_torchrun(2), env=env)
+    fs, root = storage.filesystem(url)
+    stored = sorted(name[len(root) + 1:] for name in fs.find(root))
+    meta = [n for n in stored if n.startswith("checkpoints/") and n.endswith("/meta.json")]
+    assert [n.split("/")[1] for n in meta] == ["step-00000003", "step-00000004"], stored
+    copies = []
+    for rank in (0, 1):  # each process's working copy, on its own "host"
+        monkeypatch.setenv("XLATRAIN_CACHE_DIR", str(tmp_path / "a" / f"host{rank}"))
+        copies.append(local_copy(url))
+    if strategy == "fsdp":
+        for name in ("step-00000003", "step-00000004"):
+            assert {f"checkpoints/{name}/shards/{f}" for f in ("__0.safetensors", "__1.safetensors", "index.json")} \
+                <= set(stored)
+            # Host 1's part went up from host 1: the main process's disk never held it.
+            assert not (copies[0] / "checkpoints" / name / "shards" / "__1.safetensors").exists()
+    # Nothing is left of the parts on host 1's disk once they are up.
+    assert [p for p in (copies[1] / "checkpoints").rglob("*") if p.is_file()] == []
+    resumed = _fit(url, "cpu", strategy, 2, 12, *common, f"hosts={tmp_path / 'b'}", launcher=_torchrun(2), env=env)
+    assert "continuing at epoch 2, step 0" in resumed["stdout"], resumed["stdout"]
+    _same_losses(resumed["HISTORY"], whole["HISTORY"])
+
+
 def test_a_model_built_on_the_meta_device_starts_as_the_model_built_on_the_host(tmp_path):
     host = _fit(tmp_path / "host", "cpu", "single", 1, 24)
     meta = _fit(tmp_path / "meta", "cpu", "single", 1, 24, "meta=1")

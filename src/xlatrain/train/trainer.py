@@ -1057,7 +1057,10 @@ class Trainer:
             return cursor, sums
         if resume == "auto":
             damaged: list[str] = []
-            found = find_resumable(self.run_dir / "checkpoints", group=st, failures=damaged)
+            # On object storage, a process other than the main one brings each checkpoint it tries
+            # into its host's copy first (another host's disk holds none of the main process's).
+            fetch = self._remote.ensure_checkpoint if self._remote is not None and not st.is_main else None
+            found = find_resumable(self.run_dir / "checkpoints", group=st, failures=damaged, fetch=fetch)
             if found is None:
                 self._refuse_to_retrain(damaged)
                 return cursor, sums
@@ -1130,6 +1133,8 @@ class Trainer:
                 + ways
             )
         left = [name for name in ("history.json", "best.safetensors") if (run_dir / name).exists()]
+        if self.strategy.num_processes > 1:  # the main process's copy decides (another host's holds none of it)
+            left = self.strategy.gather_objects(left if self.strategy.is_main else None)[0]
         if left:
             raise run_lock.RunDirError(
                 f"{run_dir} holds an earlier run's results ({', '.join(left)}) but no checkpoint to continue it from "
@@ -1193,6 +1198,7 @@ class Trainer:
                 path = write_sharded_checkpoint(
                     root, cursor.global_step, meta,
                     lambda directory: sharded_extra(st.save_sharded(directory, self.model, self.optimizer)), st,
+                    upload_part=self._remote.push_part if self._remote is not None else None,
                 )
         else:
             # Every process reads the state (a read on some processes only stalls a TorchTPU
@@ -1206,7 +1212,10 @@ class Trainer:
         if st.is_main:
             prune_checkpoints(root, self.checkpoint.keep_last, keep={cursor.best_checkpoint} - {None})
             if self._remote is not None:  # complete here: up it goes, then the files it goes with
-                self._remote.push_checkpoint(path)
+                from xlatrain.shard_storage import shard_file
+
+                parts = tuple(f"{SHARDS_DIR}/{shard_file(i)}" for i in range(st.num_processes)) if st.sharded_state else ()
+                self._remote.push_checkpoint(path, already_up=parts)  # the parts went up from their writers
                 self._remote.push_files()
         return path
 
