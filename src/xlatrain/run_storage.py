@@ -79,6 +79,7 @@ class RemoteRun:
         self._locked = False
         self._stop = threading.Event()
         self._sent: dict[str, tuple[int, int]] = {}  # file -> (size, mtime) when it last went up
+        self.lost_to: str | None = None  # the run that took this one's lock over, if one did
 
     # -- what is there --------------------------------------------------------------------------
     def _objects(self, under: str = "") -> dict[str, int]:
@@ -148,15 +149,47 @@ class RemoteRun:
             except storage.StorageError as exc:  # the next renewal may pass; a run is not stopped for it
                 log.warning(f"could not renew the lock of {self.url}: {exc}")
 
+    def _holder(self) -> dict | None:
+        """Who the lock on the store names now (``None``: there is none)."""
+        try:
+            return json.loads(storage.read_bytes(f"{self.url}/{LOCK}"))
+        except storage.StorageError as exc:
+            if isinstance(exc.__cause__, FileNotFoundError):
+                return None
+            raise
+        except ValueError:
+            return {}
+
+    def _mine(self, holder: dict | None) -> bool:
+        return holder is not None and (holder.get("pid"), holder.get("host"), holder.get("started")) == (
+            os.getpid(), socket.gethostname(), self._started)
+
     def renew(self) -> None:
-        if self._locked:
-            storage.write_bytes(f"{self.url}/{LOCK}", self._lock_record())
+        """Rewrite the lock with the time now, if it still names this run. A lock another run took
+        over (this one was stalled or cut off for longer than ``STALE_AFTER_S``) is left to it:
+        :attr:`lost_to` names that run, and this one writes nothing more to the store."""
+        if not self._locked:
+            return
+        holder = self._holder()
+        if not self._mine(holder):
+            # Checked, then written: a takeover in between (milliseconds, against minutes of
+            # staleness) is not seen; the store offers no conditional overwrite through fsspec.
+            from xlatrain.run_lock import _describe
+
+            self.lost_to = _describe(holder) if holder else "nobody (the lock was removed)"
+            self._locked = False
+            self._stop.set()
+            log.error(f"the lock of {self.url} was taken over by {self.lost_to}: this run writes nothing more there")
+            return
+        storage.write_bytes(f"{self.url}/{LOCK}", self._lock_record())
 
     def release(self) -> None:
+        """Remove the lock, if it still names this run."""
         if self._locked:
             self._locked = False
             self._stop.set()
-            storage.retrying("unlocking", self.url, lambda: self.fs.rm_file(f"{self.path}/{LOCK}"))
+            if self._mine(self._holder()):
+                storage.retrying("unlocking", self.url, lambda: self.fs.rm_file(f"{self.path}/{LOCK}"))
 
     # -- down -----------------------------------------------------------------------------------
     def pull(self, *, files_only: bool = False) -> list[str]:

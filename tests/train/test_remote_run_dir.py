@@ -75,3 +75,34 @@ def test_kill_9_while_a_checkpoint_goes_up_resumes_from_the_last_complete_one(gc
     resumed = _fit(url, 3, tmp_path / "vm2", gcs, env={"XLATRAIN_RUN_LOCK_STALE_S": "0"})
     assert "took over the lock" in resumed.stderr + resumed.stdout
     assert [(r["epoch"], r["train_loss"]) for r in _history(resumed)] == [(r["epoch"], r["train_loss"]) for r in whole]
+
+
+def test_a_run_whose_lock_another_run_took_over_stops_before_writing_and_leaves_the_lock_alone(gcs, tmp_path, monkeypatch):
+    import functools
+
+    import torch
+    from torch import nn
+
+    import xlatrain
+    from xlatrain.run_lock import RunDirError
+
+    monkeypatch.setenv("XLATRAIN_CACHE_DIR", str(tmp_path / "vm1"))
+    url = f"gs://{BUCKET}/{tmp_path.name}"
+    other = json.dumps({"pid": 1, "host": "vm2", "started": 0.0, "renewed": 1e12, "command": "xlatrain fit"}).encode()
+
+    class TakenOver:
+        def on_epoch_end(self, trainer, row):  # this run stalls; another takes its stale lock over
+            if row["epoch"] == 1:
+                storage.write_bytes(f"{url}/.xlatrain.lock", other)
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 6, generator=g)
+    trainer = xlatrain.Trainer(
+        nn.Linear(6, 2), nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1),
+        config=xlatrain.TrainConfig(epochs=3, batch_size=8, run_dir=url, diagnostics=False, tensorboard=False),
+        accelerator="cpu", callbacks=[TakenOver()])
+    with pytest.raises(RunDirError, match="took this one's lock over .*vm2"):
+        trainer.fit(torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long()))
+    assert storage.read_bytes(f"{url}/.xlatrain.lock") == other  # neither renewed over nor removed
+    assert [r["epoch"] for r in json.loads(storage.read_bytes(f"{url}/history.json"))] == [1]
+    assert sorted({n.split("/")[1] for n in _objects(url) if n.startswith("checkpoints/")}) == ["step-00000004"]

@@ -55,7 +55,7 @@ from xlatrain.progress import IntervalMeter, interactive_terminal
 from xlatrain.report import write_history
 from xlatrain.tensorboard import TensorBoardLog
 from xlatrain.train.batch import BatchLayout, collate, tree_map
-from xlatrain.run_storage import RemoteRun
+from xlatrain.run_storage import RemoteRun, stale_after_s
 from xlatrain.train.callbacks import Callbacks
 from xlatrain.train.observers import DiagnosticsObserver, Observers, ProgressObserver, TensorBoardObserver, TraceObserver
 from xlatrain.train.losses import EvalLoss, loss_terms
@@ -324,7 +324,7 @@ class Trainer:
     def publish(self, *names: str) -> None:
         """Files written into :attr:`run_dir` after ``fit`` (a recipe's ``config.yaml``, a plot)
         go up to the run's object-storage URL too (main process); a local run has nothing to do."""
-        if self._remote is not None and self.strategy.is_main:
+        if self._remote is not None and self.strategy.is_main and self._remote.lost_to is None:
             for name in names:
                 storage.upload(self._run_dir / name, f"{self._remote.url}/{name}")
 
@@ -1022,7 +1022,7 @@ class Trainer:
         if self._remote is None or not self.strategy.is_main:
             return
         try:
-            if self._run_dir.is_dir():
+            if self._run_dir.is_dir() and self._remote.lost_to is None:
                 self._remote.push_files()
         finally:
             self._remote.release()
@@ -1181,7 +1181,19 @@ class Trainer:
         rt, st = self.runtime, self.strategy
         # Every process's generators and running sums, so each continues exactly as it was.
         local = dict(zip(sums, (float(t) for t in rt.read(list(sums.values())))))
-        per_process = st.gather_objects({"rng": rt.rng_state(), "sums": local})
+        lost = None
+        if self._remote is not None and st.is_main:
+            try:
+                self._remote.renew()  # a lock another run took over stops this one before it writes
+            except storage.StorageError as exc:
+                log.warning(f"could not renew the lock of {self._remote.url}: {exc}")
+            lost = self._remote.lost_to
+        per_process = st.gather_objects({"rng": rt.rng_state(), "sums": local, "lost": lost})
+        if per_process[0]["lost"] is not None:
+            raise run_lock.RunDirError(
+                f"{self.run_location}: another run took this one's lock over ({per_process[0]['lost']}), as this run "
+                f"had not renewed it for {stale_after_s():,.0f} s (stalled, or cut off from the store). This run "
+                "stops without writing there; the other run's checkpoints are its own")
         # A non-finite loss since the last check must not become the latest checkpoint.
         self._check_nonfinite(sum(p["sums"]["nonfinite"] for p in per_process), cursor.epoch, 1, cursor.step)
         meta = pack_meta(
