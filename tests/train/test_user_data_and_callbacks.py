@@ -50,10 +50,10 @@ class ListSampler(Sampler):
         return self.says
 
 
-def _hand_losses(orders, epochs, collate=None):
+def _hand_losses(orders, epochs, collate=None, optimizer_fn=None):
     """The loop a user writes: the same model, optimizer and batches, in the sampler's order."""
     model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = optimizer_fn(model) if optimizer_fn else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     data = _data()
     per_epoch = []
     for epoch in range(epochs):
@@ -507,3 +507,81 @@ def test_an_ema_waits_for_the_first_step_the_scaler_did_not_skip(tmp_path):
     state = next(iter(trainer.optimizer.state.values()))
     assert {"step", "exp_avg", "exp_avg_sq", "xlatrain_ema"} <= set(state)
     assert history[0]["val_ema_loss"] != history[0]["val_loss"]
+
+
+def _no_decay_for_biases(params):
+    """torchvision's recipe (--bias-weight-decay 0): biases in a group of their own without weight
+    decay, found by name on what the factory is given."""
+    decay = [p for name, p in params.named_parameters() if not name.endswith("bias")]
+    no_decay = [p for name, p in params.named_parameters() if name.endswith("bias")]
+    return torch.optim.SGD([{"params": decay, "weight_decay": 0.5}, {"params": no_decay, "weight_decay": 0.0}],
+                           lr=0.1, momentum=0.9)
+
+
+def test_the_optimizer_factory_builds_groups_by_name_and_the_no_decay_group_steps_without_decay(tmp_path):
+    order = [(5 * i) % N for i in range(N)]
+    trainer = Trainer(
+        _model(), nn.CrossEntropyLoss(), _no_decay_for_biases,
+        config=TrainConfig(epochs=2, batch_size=BATCH, run_dir=str(tmp_path / "run"), diagnostics=False,
+                           tensorboard=False),
+        backend="cpu", sampler=ListSampler([order], says=N))
+    history = trainer.fit(_data())
+    decay, no_decay = trainer.optimizer.param_groups
+    named = dict(trainer.strategy.unwrap(trainer.model).named_parameters())
+    assert no_decay["weight_decay"] == 0.0 and decay["weight_decay"] == 0.5
+    assert {id(p) for p in no_decay["params"]} == {id(p) for n, p in named.items() if n.endswith("bias")}
+    assert {id(p) for p in decay["params"]} == {id(p) for n, p in named.items() if n.endswith("weight")}
+    # The groups reach the steps: the losses are the hand loop's with the same groups, not those
+    # of one group that decays everything.
+    expected = _hand_losses([order], 2, optimizer_fn=_no_decay_for_biases)
+    assert [row["train_loss"] for row in history] == pytest.approx(expected, rel=1e-5)
+    everything = _hand_losses([order], 2, optimizer_fn=lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9,
+                                                                                  weight_decay=0.5))
+    assert history[1]["train_loss"] != pytest.approx(everything[1], rel=1e-4)
+
+
+class CountedSource:
+    """A BatchSource whose epochs yield ``yields`` batches of BATCH rows, whatever its length says."""
+
+    def __init__(self, yields):
+        self.yields, self.data, self.asked = yields, _data(), []
+
+    def __len__(self):
+        return N  # announces N // BATCH = 6 steps
+
+    def batches(self, epoch):
+        order = [(7 * i + epoch) % N for i in range(N)] * 2
+        return [order[k * BATCH:(k + 1) * BATCH] for k in range(self.yields)]
+
+    def train_batches(self, *, loader_batch, num_processes, process_index, seed, epoch, start_step=0, step_multiple=1):
+        self.asked.append(epoch)
+        for rows in self.batches(epoch)[start_step:]:
+            yield tuple(torch.stack(c) for c in zip(*[self.data[i] for i in rows]))
+
+    def eval_batches(self, *, loader_batch, num_processes, process_index):  # one process: N is whole batches
+        for start in range(0, N, loader_batch):
+            rows = [self.data[i] for i in range(start, start + loader_batch)]
+            yield tuple(torch.stack(c) for c in zip(*rows)), torch.ones(loader_batch, dtype=torch.bool)
+
+
+@pytest.mark.parametrize("yields", [4, 8])
+def test_a_batch_source_that_yields_another_count_than_announced_is_said_and_its_loss_mean_is_over_what_ran(
+        tmp_path, caplog, yields):
+    caplog.set_level(logging.INFO, logger="xlatrain")
+    source = CountedSource(yields)
+    history = _trainer(tmp_path, epochs=1).fit(source)
+    ran = min(yields, 6)  # batches past the announced 6 are not trained on
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for rows in source.batches(source.asked[-1])[:ran]:  # the epoch the Trainer trained
+        x, y = (torch.stack(c) for c in zip(*[source.data[i] for i in rows]))
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    assert history[0]["train_loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-5)
+    said = f"epoch 1 ran {ran} step(s), but 6 were announced from the data's length: CountedSource.train_batches " \
+           f"gave {'fewer' if yields < 6 else 'more'} batches"
+    assert said in caplog.text
