@@ -128,7 +128,7 @@ class NativeRuntime:
             fn(*host)
 
     def peak_flops(self, dtype: torch.dtype) -> tuple[float, str] | None:
-        """Dense peak FLOP/s of this device in ``dtype`` (float32 or bfloat16), and its source."""
+        """Dense peak FLOP/s of this device in ``dtype`` (float32, bfloat16 or float16), and its source."""
         from xlatrain.backend.hardware import spec_for_name, tpu_spec
 
         spec = None
@@ -139,8 +139,10 @@ class NativeRuntime:
         if spec is not None:
             rate = spec.peak_bf16 if dtype != torch.float32 or spec.peak_fp32 is None else spec.peak_fp32
             return rate, spec.source
-        if self.kind != "cpu":
-            return None  # a GPU or TPU the table does not know: no figure rather than a wrong one
+        if self.kind != "cpu" or dtype == torch.float16:
+            # A GPU or TPU the table does not know, or float16 on a CPU (no fast kernels: a
+            # 2048^2 matmul takes seconds): no figure rather than a wrong or slow one.
+            return None
         from xlatrain.backend.peak import measured_peak
 
         return measured_peak(self.device, dtype, lambda t: None, "cpu")

@@ -451,7 +451,7 @@ class Throughput:
         if self.peak_per_device:
             line += f" | peak {human_flops(self.peak_per_device)}/s {self.dtype} per device ({self.peak_source})"
         else:
-            line += f" | no peak FLOP/s known for this device ({self.peak_source}): no MFU"
+            line += f" | no {self.dtype} peak FLOP/s known for this device ({self.peak_source}): no MFU"
         return line
 
     def as_dict(self) -> dict[str, Any]:

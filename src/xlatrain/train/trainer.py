@@ -664,11 +664,13 @@ class Trainer:
             flops = profile.flops_per_sample
             flops_source = "torch's FLOP counter, one forward and backward pass" if flops else \
                 "torch's FLOP counter found no matmul or convolution in the step"
-        peak = rt.peak_flops(torch.bfloat16 if cfg.precision == "bf16" else torch.float32)
+        # The matmul dtype the precision runs at: fp16's yardstick is the device's float16 peak.
+        compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision, torch.float32)
+        peak = rt.peak_flops(compute)
         self.throughput = perf.Throughput(
             flops_per_sample=flops, flops_source=flops_source, tokens_per_sample=tokens,
             peak_per_device=peak[0] if peak else None, peak_source=peak[1] if peak else "not in xlatrain's table",
-            devices=st.world_size, dtype="bfloat16" if cfg.precision == "bf16" else "float32",
+            devices=st.world_size, dtype=str(compute).removeprefix("torch."),
         )
         state = st.planned_state_bytes(self.model, self.optimizer)
         if cfg.ema_decay is not None and not self._ema_pairs():  # the averages: one more copy of the weights
