@@ -770,3 +770,35 @@ def test_cli_script_check_json_parses():
     got = {(f["line"], f["code"], None if f["code"].startswith("port:") else f["severity"]) for f in colab["findings"]}
     assert got == expected(FIXTURES / "resnet_unet_colab.py")
     assert json.loads(render_json({})) == {"exit_code": 0, "scripts": []}
+
+
+def test_a_device_value_read_on_the_main_process_only_gets_the_torchtpu_note():
+    src = textwrap.dedent("""
+        import torch
+        import torch.distributed as dist
+        import torch_xla.core.xla_model as xm
+        import torch_xla.runtime as xr
+
+        def train(model, loader):
+            device = xm.xla_device()
+            model = model.to(device)
+            total = torch.zeros((), device=device)
+            for x, y in loader:
+                total += model(x.to(device)).sum().detach()
+            if xm.is_master_ordinal():
+                print(f"loss {total.item():.3f}")
+            if xr.global_ordinal() == 0:
+                print(total)
+            if 0 == dist.get_rank() and total is not None:
+                host = total.cpu()
+            value = total.item()
+            if xm.is_master_ordinal():
+                print(value)
+            if xr.global_ordinal() == 1:
+                print(total.item())
+    """)
+    notes = [f for f in check_source(src) if f.code == "port:read-on-every-process"]
+    # Inside each branch taken on one process (rank 1's too); not the read made on every process.
+    assert [f.line for f in notes] == [14, 16, 18, 23]
+    assert "every process must make the same host reads" in notes[0].message
+    assert notes[0].severity == "info"

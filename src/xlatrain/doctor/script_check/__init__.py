@@ -54,13 +54,15 @@ from xlatrain.doctor.script_check.env import EnvRules
 from xlatrain.doctor.script_check.loaders import LoaderRules
 from xlatrain.doctor.script_check.lr_scaling import LrScalingRules
 from xlatrain.doctor.script_check.ordering import OrderRules
+from xlatrain.doctor.script_check.ranks import RankRules
 from xlatrain.doctor.script_check.step_loops import StepLoopRules
 
 __all__ = ["PORT_PREFIX", "SEVERITIES", "ScriptFinding", "check_file", "check_source", "exit_code", "is_port_note",
            "render_json", "render_text"]
 
 
-class _Checker(Engine, ApiRules, LoaderRules, EnvRules, StepLoopRules, OrderRules, ClassRules, LrScalingRules):
+class _Checker(Engine, ApiRules, LoaderRules, EnvRules, StepLoopRules, OrderRules, ClassRules, LrScalingRules,
+               RankRules):
     """The engine with every rule family; ``Engine.run`` calls the families' checks in order. A new
     rule family is a module with a mixin class, added here and to ``run``."""
 

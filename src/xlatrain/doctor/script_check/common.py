@@ -184,12 +184,14 @@ _PORT_LAUNCH = _Port(
 )
 _PORT_PRINT = _Port(
     "port:print",
-    "print(...) where torch.distributed.get_rank() == 0",
+    "print(...) where torch.distributed.get_rank() == 0, of values every process read (v = t.item() on "
+    "every process: a read on one process only stops the TPU mesh)",
     "progress lines come from the main process every TrainConfig(log_every=N) steps",
 )
 _PORT_SAVE = _Port(
     "port:save",
-    "torch.save (or safetensors) of a CPU copy of the state where torch.distributed.get_rank() == 0",
+    "torch.save (or safetensors) where torch.distributed.get_rank() == 0 of a CPU copy of the state "
+    "that every process made (a read on one process only stops the TPU mesh)",
     "best.safetensors and resumable checkpoints in run_dir (CheckpointConfig); xlatrain.load_weights "
     "reads them back",
 )
