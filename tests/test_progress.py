@@ -16,7 +16,7 @@ import time
 import pytest
 from conftest import SCRIPTS, script_env
 
-from xlatrain.progress import EpochProgress, interactive_terminal
+from xlatrain.progress import EpochProgress, IntervalMeter, interactive_terminal
 
 LINE = re.compile(r"  epoch (\d+) step (\d+)/(\d+)  loss (\d+\.\d{4})  ([\d,]+) samples/s")
 
@@ -113,9 +113,17 @@ def test_interactive_only_on_the_main_process_in_a_terminal() -> None:
     os.close(read_fd)
 
 
+def _shown(progress: EpochProgress, meter: IntervalMeter, step: int, loss_sum: float, nonfinite: float = 0):
+    """One log interval as the Trainer's progress observer shows it: measured, then shown."""
+    stats = meter.measure(step, loss_sum=loss_sum, nonfinite=nonfinite)
+    progress.show(step, epoch_loss=stats.epoch_loss, samples_per_s=stats.samples_per_s, nonfinite=stats.nonfinite)
+    return stats
+
+
 def test_lines_carry_the_epoch_mean_and_a_rate_no_faster_than_the_steps() -> None:
     lines: list[str] = []
-    progress = EpochProgress(2, 30, 0, samples_per_step=64, interactive=False, log=lines.append)
+    progress = EpochProgress(2, 30, 0, interactive=False, log=lines.append)
+    meter = IntervalMeter(0, samples_per_step=64)
     started = time.perf_counter()
     losses = [1.0] * 10 + [0.5] * 10
     stats = []
@@ -123,7 +131,7 @@ def test_lines_carry_the_epoch_mean_and_a_rate_no_faster_than_the_steps() -> Non
         time.sleep(0.01)
         progress.advance(step)
         if step % 10 == 0:
-            stats.append(progress.report(step, loss_sum=sum(losses[:step]), nonfinite=0))
+            stats.append(_shown(progress, meter, step, sum(losses[:step])))
     elapsed = time.perf_counter() - started
     progress.close()
     assert [LINE.fullmatch(line).group(1, 2, 3, 4) for line in lines] == [  # type: ignore[union-attr]
@@ -138,18 +146,16 @@ def test_lines_carry_the_epoch_mean_and_a_rate_no_faster_than_the_steps() -> Non
 
 
 def test_first_interval_after_a_resume_uses_the_checkpointed_sum() -> None:
-    lines: list[str] = []
-    resumed = EpochProgress(1, 40, 10, samples_per_step=8, interactive=False, log=lines.append, start_loss_sum=10.0)
-    stats = resumed.report(20, loss_sum=15.0, nonfinite=0)
+    stats = IntervalMeter(10, samples_per_step=8, start_loss_sum=10.0).measure(20, loss_sum=15.0, nonfinite=0)
     assert (stats.epoch_loss, stats.interval_loss) == (0.75, 0.5)
-    unknown = EpochProgress(1, 40, 10, samples_per_step=8, interactive=False, log=lines.append)
-    assert unknown.report(20, loss_sum=15.0, nonfinite=0).interval_loss == 0.75
+    unknown = IntervalMeter(10, samples_per_step=8)
+    assert unknown.measure(20, loss_sum=15.0, nonfinite=0).interval_loss == 0.75
 
 
 def test_non_finite_steps_are_named_in_the_line() -> None:
     lines: list[str] = []
-    progress = EpochProgress(1, 40, 0, samples_per_step=8, interactive=False, log=lines.append)
-    assert progress.report(10, loss_sum=5.0, nonfinite=3.0).nonfinite == 3
+    progress = EpochProgress(1, 40, 0, interactive=False, log=lines.append)
+    assert _shown(progress, IntervalMeter(0, samples_per_step=8), 10, 5.0, nonfinite=3.0).nonfinite == 3
     assert lines[0].endswith("samples/s  (3 non-finite steps)")
 
 
@@ -166,13 +172,13 @@ def test_a_read_landing_after_the_bar_closed_is_measured_but_not_drawn() -> None
     fcntl.ioctl(child_fd, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
     lines: list[str] = []
     with os.fdopen(child_fd, "w") as tty:
-        progress = EpochProgress(1, 20, 0, samples_per_step=8, interactive=True, log=lines.append, stream=tty)
+        progress = EpochProgress(1, 20, 0, interactive=True, log=lines.append, stream=tty)
         progress.advance(10)
         progress.close()
         tty.write("|closed|")
         tty.flush()
         drawn = _read_until(main_fd, b"|closed|")
-        stats = progress.report(10, loss_sum=5.0, nonfinite=0)
+        stats = _shown(progress, IntervalMeter(0, samples_per_step=8), 10, 5.0)
         tty.write("|end|")
         tty.flush()
         after = _read_until(main_fd, b"|end|")

@@ -97,27 +97,28 @@ class IntervalMeter:
 
 
 class EpochProgress:
-    """One epoch's progress: ``advance`` every step, ``report`` at each log interval, ``close``.
+    """One epoch's progress: ``advance`` every step, ``show`` each measured log interval (an
+    :class:`IntervalMeter` measures it), ``close``.
 
     Args:
         epoch: the epoch number shown.
         num_steps: steps in the epoch.
         start_step: the last step already done (non-zero when resuming inside the epoch).
-        samples_per_step: samples one step consumes over all devices (the global batch).
         interactive: draw a bar (see :func:`interactive_terminal`) instead of logging lines.
         log: where plain lines go, e.g. the Trainer's rank-0 ``logger.info``.
-        start_loss_sum: the epoch's loss sum at ``start_step`` (from a checkpoint), so the
-            first interval after a resume reports its own mean; ``None`` with ``start_step`` > 0
-            makes that first interval report the epoch mean instead.
         stream: where the bar draws (default: ``sys.stderr``).
         rate_note: what else a rate of samples/s means (tokens/s, MFU), shown after it.
 
     Example:
-        >>> with EpochProgress(1, 100, 0, samples_per_step=256, interactive=False, log=print) as p:
+        >>> meter = IntervalMeter(0, samples_per_step=256)
+        >>> with EpochProgress(1, 100, 0, interactive=False, log=print) as p:
         ...     for step in range(1, 101):
         ...         p.advance(step)
         ...         if step % 50 == 0:
-        ...             p.report(step, loss_sum=0.7 * step, nonfinite=0)
+        ...             stats = meter.measure(step, loss_sum=0.7 * step, nonfinite=0)
+        ...             p.show(step, epoch_loss=stats.epoch_loss, samples_per_s=1000.0, nonfinite=0)
+          epoch 1 step 50/100  loss 0.7000  1,000 samples/s
+          epoch 1 step 100/100  loss 0.7000  1,000 samples/s
     """
 
     def __init__(
@@ -126,10 +127,8 @@ class EpochProgress:
         num_steps: int,
         start_step: int,
         *,
-        samples_per_step: int,
         interactive: bool,
         log: Callable[[str], None],
-        start_loss_sum: float | None = None,
         stream: IO[str] | None = None,
         rate_note: Callable[[float], str] | None = None,
     ) -> None:
@@ -137,7 +136,6 @@ class EpochProgress:
         self._rate_note = rate_note
         self.num_steps = num_steps
         self._log = log
-        self.meter = IntervalMeter(start_step, samples_per_step=samples_per_step, start_loss_sum=start_loss_sum)
         self._stack = contextlib.ExitStack()
         self._bar: Any = None
         self._interactive = interactive
@@ -168,21 +166,6 @@ class EpochProgress:
         """Move the bar to ``step`` (host bookkeeping only; nothing is read from the device)."""
         if self._bar is not None and step > self._bar.n:
             self._bar.update(step - self._bar.n)
-
-    def report(self, step: int, *, loss_sum: float, nonfinite: float) -> IntervalStats:
-        """Measure and show one log interval from the host values of a deferred read.
-
-        Args:
-            step: the step (within the epoch) the read was taken at.
-            loss_sum: the epoch's loss summed over its steps 1..``step`` (mean over devices).
-            nonfinite: how many of those steps had a NaN/Inf loss or gradient norm.
-
-        Returns:
-            The interval's numbers, for TensorBoard.
-        """
-        stats = self.meter.measure(step, loss_sum=loss_sum, nonfinite=nonfinite)
-        self.show(step, epoch_loss=stats.epoch_loss, samples_per_s=stats.samples_per_s, nonfinite=stats.nonfinite)
-        return stats
 
     def show(self, step: int, *, epoch_loss: float, samples_per_s: float, nonfinite: int) -> None:
         """Show one measured interval: a line, or the bar's figures."""

@@ -81,17 +81,14 @@ class Observers:
 class ProgressObserver:
     """The per-epoch progress line or bar (main process; lines when no terminal is attached)."""
 
-    def __init__(self, *, interactive: bool, log: Callable[[str], None], samples_per_step: int,
-                 rate_note: Callable[[float], str] | None) -> None:
-        self._interactive, self._log = interactive, log
-        self._samples_per_step, self._rate_note = samples_per_step, rate_note
+    def __init__(self, *, interactive: bool, log: Callable[[str], None], rate_note: Callable[[float], str] | None) -> None:
+        self._interactive, self._log, self._rate_note = interactive, log, rate_note
         self._progress: EpochProgress | None = None
         self.on_step_end: Callable[[int, int, float], None] | None = self._advance if interactive else None
 
     def on_epoch_start(self, trainer: Any, epoch: int, start_step: int, num_steps: int) -> None:
         self._progress = EpochProgress(
-            epoch, num_steps, start_step, samples_per_step=self._samples_per_step, interactive=self._interactive,
-            log=self._log, rate_note=self._rate_note,
+            epoch, num_steps, start_step, interactive=self._interactive, log=self._log, rate_note=self._rate_note,
         )
 
     def _advance(self, step: int, index: int, input_wait_s: float) -> None:

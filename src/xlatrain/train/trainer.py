@@ -484,7 +484,7 @@ class Trainer:
         cfg, rt, st = self.config, self.runtime, self.strategy
         run.callback(setattr, self, "_observers", Observers([], self._callbacks))
         own: list[Any] = [ProgressObserver(
-            interactive=interactive_terminal(st.is_main), log=self._say, samples_per_step=self.global_batch_size,
+            interactive=interactive_terminal(st.is_main), log=self._say,
             rate_note=self.throughput.text if self.throughput is not None else None,
         )]
         tb = run.enter_context(
