@@ -309,7 +309,9 @@ class Trainer:
         return self.strategy.is_main
 
     def request_stop(self, reason: str = "a callback asked to stop") -> None:
-        """End the run after the current epoch (validated, written and checkpointed), on every process."""
+        """End the run after the current epoch (validated, written and checkpointed), on every
+        process. Call it from a callback (any process's request counts); the Trainer looks for
+        requests once per epoch, and only when it was given callbacks."""
         self._stop_reason = reason
 
     @property
