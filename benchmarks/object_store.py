@@ -16,6 +16,13 @@ holds a pack of a generated RSNA-shaped dataset; the same pack sits on local dis
 
 The target: reader >= 0.9 x min(fetch limit, decode limit) at the median and >= 0.85 in every
 round; a warm-cache epoch >= 0.95 x the local reader's in every round. Sides run A B B A within a round, the order reversed every other round.
+
+Where the time goes: each side's CPU seconds per image, of the whole machine (``/proc/stat``) and
+of the server process alone, and the machine's busy share while the side ran. When fetching is
+CPU work on the cores that also decode (the server and gcsfs's client on this machine; another
+machine's work on Cloud Storage), fetch and decode cannot both run at their limits: the figure
+``shared_cpu_limit`` = 1 / (1/fetch + 1/decode) is the rate of doing both one after the other on
+the same cores, which a reader that overlaps them well reaches or passes.
 """
 
 from __future__ import annotations
@@ -65,6 +72,45 @@ class FetchLimit(OnDemand):
                          [(url, batches[w::workers], REQUESTS) for w in range(workers)])
 
 
+def _busy_jiffies() -> tuple[int, int]:
+    """(busy, total) CPU jiffies of the whole machine so far."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def _process_jiffies(pid: int) -> int:
+    """User + system CPU jiffies of process ``pid`` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+class _Accounted:
+    """A side, with the CPU the machine and the server spent while it ran."""
+
+    def __init__(self, side: Callable[[], tuple[int, float]], server_pid: int) -> None:
+        self.side, self.server_pid = side, server_pid
+        self.images = 0
+        self.busy = self.total = self.server = 0
+
+    def __call__(self) -> tuple[int, float]:
+        busy, total = _busy_jiffies()
+        server = _process_jiffies(self.server_pid)
+        count, seconds = self.side()
+        after_busy, after_total = _busy_jiffies()
+        self.images += count
+        self.busy += after_busy - busy
+        self.total += after_total - total
+        self.server += _process_jiffies(self.server_pid) - server
+        return count, seconds
+
+    def figures(self) -> dict[str, float]:
+        tick = os.sysconf("SC_CLK_TCK")
+        return {"machine_cpu_us_per_image": round(1e6 * self.busy / tick / max(self.images, 1), 1),
+                "server_cpu_us_per_image": round(1e6 * self.server / tick / max(self.images, 1), 1),
+                "machine_busy_share": round(self.busy / max(self.total, 1), 3)}
+
+
 def run() -> dict[str, Any]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -108,11 +154,12 @@ def _measure(tmp: Path, gcs: LocalGCS) -> dict[str, Any]:
         return lambda: _epoch(ds.train_batches(loader_batch=BATCH, num_processes=1, process_index=0, seed=0,
                                                epoch=next(epochs)))
 
-    sides: dict[str, Callable[[], tuple[int, float]]] = {
+    plain: dict[str, Callable[[], tuple[int, float]]] = {
         "reader": epoch_of(reader), "fetch_limit": fetch, "decode_limit": decode, "local": epoch_of(local),
         "warm_cache": epoch_of(cached)}
-    for side in sides.values():
+    for side in plain.values():
         side()  # warm-up: workers, connections, page cache
+    sides = {name: _Accounted(side, gcs.pid) for name, side in plain.items()}
     rates: dict[str, list[float]] = {name: [] for name in sides}
     names = list(sides)
     for r in range(ROUNDS):
@@ -132,6 +179,7 @@ def _measure(tmp: Path, gcs: LocalGCS) -> dict[str, Any]:
                 "max": round(max(values), digits), "rounds": [round(v, digits) for v in values]}
 
     bound = [min(f, d) for f, d in zip(rates["fetch_limit"], rates["decode_limit"])]
+    shared = [1 / (1 / f + 1 / d) for f, d in zip(rates["fetch_limit"], rates["decode_limit"])]
     fraction = [a / b for a, b in zip(rates["reader"], bound)]
     warm = [a / b for a, b in zip(rates["warm_cache"], rates["local"])]
     binds = ["fetch" if f < d else "decode" for f, d in zip(rates["fetch_limit"], rates["decode_limit"])]
@@ -140,6 +188,9 @@ def _measure(tmp: Path, gcs: LocalGCS) -> dict[str, Any]:
         "reader_over_binding_limit": spread(fraction),
         "binding_limit_per_round": binds,
         "reader_over_local": spread([a / b for a, b in zip(rates["reader"], rates["local"])]),
+        "reader_over_shared_cpu_limit": spread([a / b for a, b in zip(rates["reader"], shared)]),
+        "shared_cpu_limit_images_per_s_median": round(statistics.median(shared)),
+        "cpu": {name: side.figures() for name, side in sides.items()},
         "warm_cache_over_local": spread(warm),
         "images_per_s_median": {name: round(statistics.median(v)) for name, v in rates.items()},
         "images_per_s": {name: spread(v, 0) for name, v in rates.items()},
