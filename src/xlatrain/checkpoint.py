@@ -7,6 +7,7 @@ ever unpickled on load.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -287,7 +288,8 @@ def write_sharded_checkpoint(
     process commits, so the parts of processes on other hosts, whose local disks the main process
     cannot read, reach the store, and the checkpoint's meta.json can go up after all of them. A
     process whose temporary directory lacks the index (the main process wrote it on another host's
-    disk) removes its own copy once its part is up.
+    disk) removes its own part once it is up, and the directory once every process is past that
+    point (the processes of one host share it).
     """
     import shutil
 
@@ -335,9 +337,15 @@ def write_sharded_checkpoint(
                 upload_part(tmp / part, f"{name}/{part}")
             except OSError as exc:  # a StorageError names the URL and the fix
                 failure = f"could not save checkpoint {root / name}: {exc}"
-        if not group.is_main and not (tmp / SHARDS_INDEX).exists():
-            shutil.rmtree(tmp, ignore_errors=True)  # another host's disk: the part is up, the copy is not needed
-        if group.any_process(failure is not None):
+        elsewhere = not group.is_main and not (tmp / SHARDS_INDEX).exists()  # another host's disk
+        if elsewhere:
+            (tmp / part).unlink(missing_ok=True)  # up (or failed): not needed on this host either way
+        failed_anywhere = group.any_process(failure is not None)
+        if elsewhere:  # every process of this host has removed its part: the directories are empty
+            for empty in (tmp / SHARDS_DIR, tmp):
+                with contextlib.suppress(OSError):
+                    empty.rmdir()
+        if failed_anywhere:
             raise failed()
     if failure is None and group.is_main:
         try:

@@ -184,7 +184,7 @@ class EpochProgress:
             )
 
     def close(self) -> None:
-        """Remove the bar and put logging back as it was; ``report`` still measures afterwards."""
+        """Remove the bar and put logging back as it was; a later ``show`` draws no bar."""
         self._stack.close()
         self._bar = None
 

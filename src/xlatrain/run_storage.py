@@ -28,12 +28,12 @@ copy, and the store is what they share.
   checkpoint's parts are each sent by the process that wrote it, under its final name, before the
   main process commits; the index and meta.json then go up from the main process, meta.json last.
   A part written on another host's disk is removed there once it is up.
-- **Resuming**: the main process brings down what it needs (above); every other process, before
-  it reads a checkpoint, makes its host's copy hold that checkpoint as the store has it (one
-  process per host downloads, under a lock file beside the copy; its meta.json must equal the
-  store's, so a stale copy left on a host by an earlier run is replaced, and a checkpoint that
-  never reached the store is skipped by every process). Each host brings down the whole
-  checkpoint, not only the parts its processes read.
+- **Resuming**: the main process brings down the run's files (above); every process, before it
+  reads a checkpoint, makes its host's copy hold that checkpoint whole, as the store has it
+  (:meth:`RemoteRun.ensure_checkpoint`: one process per host downloads what the copy lacks, under
+  a lock file beside it; a copy whose meta.json is not the store's, left by an earlier run, is
+  replaced; a checkpoint that never reached the store is skipped by every process). Each host
+  brings down the whole checkpoint, not only the parts its processes read.
 """
 
 from __future__ import annotations
@@ -61,6 +61,13 @@ STALE_AFTER_S = 300.0  # a lock not renewed for this long belongs to a run that 
 def stale_after_s() -> float:
     """``$XLATRAIN_RUN_LOCK_STALE_S`` if set, else :data:`STALE_AFTER_S`."""
     return float(os.environ.get("XLATRAIN_RUN_LOCK_STALE_S", STALE_AFTER_S))
+
+
+def _has(path: Path, size: int) -> bool:
+    try:
+        return path.stat().st_size == size
+    except OSError:
+        return False
 
 
 def local_copy(url: str) -> Path:
@@ -176,7 +183,10 @@ class RemoteRun:
             # staleness) is not seen; the store offers no conditional overwrite through fsspec.
             from xlatrain.run_lock import _describe
 
-            self.lost_to = _describe(holder) if holder else "nobody (the lock was removed)"
+            if holder is None:
+                self.lost_to = "nobody (the lock was removed)"
+            else:
+                self.lost_to = _describe(holder) if holder else "a run whose lock record cannot be read"
             self._locked = False
             self._stop.set()
             log.error(f"the lock of {self.url} was taken over by {self.lost_to}: this run writes nothing more there")
@@ -218,18 +228,19 @@ class RemoteRun:
         import shutil
 
         staged: dict[str, Path] = {}
-        for rel in rels:
-            parts = rel.split("/")
-            if parts[0] == "checkpoints":
-                tmp = staged.setdefault(parts[1], self.local / "checkpoints" / f".tmp-{parts[1]}-{os.getpid()}")
-                target = tmp / "/".join(parts[2:])
-            else:
-                target = self.local / rel
-            target.parent.mkdir(parents=True, exist_ok=True)
-            part = target.with_name(target.name + f".part-{os.getpid()}")
-            url = f"{self.url}/{rel}"
-            storage.retrying("downloading", url, lambda: self.fs.get_file(f"{self.path}/{rel}", str(part)))
-            os.replace(part, target)
+        try:
+            for rel in rels:
+                parts = rel.split("/")
+                if parts[0] == "checkpoints":
+                    tmp = staged.setdefault(parts[1], self.local / "checkpoints" / f".tmp-{parts[1]}-{os.getpid()}")
+                    target = tmp / "/".join(parts[2:])
+                else:
+                    target = self.local / rel
+                self._get(rel, target)
+        except BaseException:
+            for tmp in staged.values():  # no part of a checkpoint is left behind
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
         for name, tmp in staged.items():
             final = self.local / "checkpoints" / name
             if final.exists():
@@ -237,9 +248,15 @@ class RemoteRun:
             os.rename(tmp, final)
 
     def ensure_checkpoint(self, name: str) -> None:
-        """Make this host's copy hold checkpoint ``name`` as the store has it (a process other than
-        the main one, before it reads the checkpoint); ``CheckpointError`` when the store holds no
-        complete checkpoint of that name."""
+        """Make this host's copy hold checkpoint ``name`` whole, as the store has it (every process
+        of a run of several, before it reads the checkpoint); ``CheckpointError`` when the store
+        holds no complete checkpoint of that name or the copy cannot be made.
+
+        The processes of one host share its copy: one brings down what is missing, under a lock
+        file beside the copy, and the others find it there. A copy whose meta.json is the store's
+        gets the files it lacks (the parts other hosts wrote, beside the main process's own); any
+        other copy of that name (left by an earlier run at this URL) is replaced whole.
+        """
         import fcntl
 
         from xlatrain.checkpoint import CheckpointError
@@ -252,16 +269,30 @@ class RemoteRun:
                 raise CheckpointError(f"checkpoint {self.url}/checkpoints/{name} is not complete on the store "
                                       "(its meta.json never went up)") from None
             raise CheckpointError(str(exc)) from exc
-        self.local.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.local.parent / f"{self.local.name}.pull-lock", "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # the processes of one host share its copy: one downloads
-            here = self.local / rel
-            if here.is_file() and here.read_bytes() == committed:
-                return
-            try:
-                self._download(sorted(self._objects(f"checkpoints/{name}")))
-            except storage.StorageError as exc:
-                raise CheckpointError(str(exc)) from exc
+        try:
+            self.local.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.local.parent / f"{self.local.name}.pull-lock", "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                stored = self._objects(f"checkpoints/{name}")
+                here = self.local / rel
+                if here.is_file() and here.read_bytes() == committed:
+                    for part in sorted(r for r, size in stored.items() if not _has(self.local / r, size)):
+                        self._get(part, self.local / part)
+                else:
+                    self._download(sorted(stored))
+        except OSError as exc:  # a StorageError names the URL; a local one the path
+            raise CheckpointError(f"could not bring checkpoint {self.url}/checkpoints/{name} into this host's copy "
+                                  f"{self.local}: {exc}") from exc
+
+    def _get(self, rel: str, target: Path) -> None:
+        """One file of the run into ``target``, whole (a temporary name, then a rename)."""
+        target.parent.mkdir(parents=True, exist_ok=True)
+        part = target.with_name(target.name + f".part-{os.getpid()}")
+        try:
+            storage.retrying("downloading", f"{self.url}/{rel}", lambda: self.fs.get_file(f"{self.path}/{rel}", str(part)))
+            os.replace(part, target)
+        finally:
+            part.unlink(missing_ok=True)
 
     # -- up -------------------------------------------------------------------------------------
     def push_part(self, local: Path, rel: str) -> None:

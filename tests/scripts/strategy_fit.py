@@ -1,7 +1,8 @@
 """A small model of repeated blocks, with a tied embedding, trained under a chosen strategy.
 
 Usage: python strategy_fit.py RUN_DIR ACCELERATOR STRATEGY EPOCHS PER_DEVICE_BATCH [key=value ...]
-keys: hosts=DIR (each process keeps its local files in DIR/host<rank>, as if on a host of its own)  opt=adamw (default SGD with momentum)  accum=N  clip=X  precision=bf16  every=N (checkpoint every N optimizer steps)  meta=1
+keys: hosts=DIR (each process keeps its local files in DIR/host<n>, as if on a host of its own; per_host=K puts K
+processes on each: n = rank // K; slow_part=R: process R sends its checkpoint parts 0.5 s late)  opt=adamw (default SGD with momentum)  accum=N  clip=X  precision=bf16  every=N (checkpoint every N optimizer steps)  meta=1
 (build on the meta device)  ac=1 (activation checkpointing)  ema=D (an EMA of the weights with that decay)  predict=1  final=1 (save the final
 weights)  devices=N
 The main process prints HISTORY (per-epoch rows), FACTS (per process: what it holds), MEMORY (per
@@ -61,7 +62,15 @@ def main() -> None:
     run_dir, accelerator, strategy, epochs, batch = sys.argv[1:6]
     opts = dict(arg.split("=", 1) for arg in sys.argv[6:])
     if "hosts" in opts:  # a run directory on object storage: each process's working copy on a disk of its own
-        os.environ["XLATRAIN_CACHE_DIR"] = f"{opts['hosts']}/host{os.environ.get('RANK', '0')}"
+        host = int(os.environ.get("RANK", "0")) // int(opts.get("per_host", 1))
+        os.environ["XLATRAIN_CACHE_DIR"] = f"{opts['hosts']}/host{host}"
+    if opts.get("slow_part") == os.environ.get("RANK", "0"):  # the others of its host are done by then
+        import time
+
+        from xlatrain import storage
+
+        upload = storage.upload
+        storage.upload = lambda local, url: (time.sleep(0.5) if "/shards/__" in url else None, upload(local, url))[1]
     torch.manual_seed(0)
     if opts.get("meta") == "1":
         with torch.device("meta"):

@@ -173,38 +173,67 @@ def gcs(tmp_path_factory):
         yield server
 
 
-@pytest.mark.multiprocess
-@pytest.mark.object_store
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_two_hosts_checkpoint_to_object_storage_and_two_other_hosts_resume(strategy, gcs, tmp_path, request, monkeypatch):
-    """Each process on a disk of its own (as on the hosts of a pod slice): the checkpoints reach
-    the store whole, and two fresh hosts resume from it and train the uninterrupted run."""
+def _stored(url):
     from xlatrain import storage
+
+    fs, root = storage.filesystem(url)
+    return sorted(name[len(root) + 1:] for name in fs.find(root))
+
+
+def _copy_on(host_dir, url, monkeypatch):
+    """The working copy of ``url`` a process whose local files are in ``host_dir`` keeps."""
     from xlatrain.run_storage import local_copy
 
-    _, whole = request.getfixturevalue(strategy)
+    monkeypatch.setenv("XLATRAIN_CACHE_DIR", str(host_dir))
+    return local_copy(url)
+
+
+OBJECT_STORE_RUN = ["accum=2", "clip=0.5", "every=3"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.object_store
+def test_ddp_on_two_hosts_checkpoints_to_object_storage_and_two_fresh_hosts_resume(ddp, gcs, tmp_path):
+    """Each process on a disk of its own (as on two hosts): a replacement pair of hosts brings the
+    checkpoint down on both and trains the uninterrupted run."""
+    _, whole = ddp
     url = f"gs://runs/{tmp_path.name}"
-    common = ["accum=2", "clip=0.5", "every=3"]
-    env = gcs.env
-    _fit(url, "cpu", strategy, 1, 12, *common, f"hosts={tmp_path / 'a'}", launcher=_torchrun(2), env=env)
-    fs, root = storage.filesystem(url)
-    stored = sorted(name[len(root) + 1:] for name in fs.find(root))
-    meta = [n for n in stored if n.startswith("checkpoints/") and n.endswith("/meta.json")]
-    assert [n.split("/")[1] for n in meta] == ["step-00000003", "step-00000004"], stored
-    copies = []
-    for rank in (0, 1):  # each process's working copy, on its own "host"
-        monkeypatch.setenv("XLATRAIN_CACHE_DIR", str(tmp_path / "a" / f"host{rank}"))
-        copies.append(local_copy(url))
-    if strategy == "fsdp":
-        for name in ("step-00000003", "step-00000004"):
-            assert {f"checkpoints/{name}/shards/{f}" for f in ("__0.safetensors", "__1.safetensors", "index.json")} \
-                <= set(stored)
-            # Host 1's part went up from host 1: the main process's disk never held it.
-            assert not (copies[0] / "checkpoints" / name / "shards" / "__1.safetensors").exists()
-    # Nothing is left of the parts on host 1's disk once they are up.
-    assert [p for p in (copies[1] / "checkpoints").rglob("*") if p.is_file()] == []
-    resumed = _fit(url, "cpu", strategy, 2, 12, *common, f"hosts={tmp_path / 'b'}", launcher=_torchrun(2), env=env)
+    _fit(url, "cpu", "ddp", 1, 12, *OBJECT_STORE_RUN, f"hosts={tmp_path / 'a'}", launcher=_torchrun(2), env=gcs.env)
+    assert [n.split("/")[1] for n in _stored(url) if n.endswith("/meta.json")] == ["step-00000003", "step-00000004"]
+    resumed = _fit(url, "cpu", "ddp", 2, 12, *OBJECT_STORE_RUN, f"hosts={tmp_path / 'b'}", launcher=_torchrun(2),
+                   env=gcs.env)
     assert "continuing at epoch 2, step 0" in resumed["stdout"], resumed["stdout"]
+    _same_losses(resumed["HISTORY"], whole["HISTORY"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.object_store
+def test_fsdp_on_two_hosts_of_two_processes_checkpoints_each_part_and_resumes_on_the_same_hosts(
+        fsdp, gcs, tmp_path, monkeypatch):
+    """Two "hosts" of two processes each write an FSDP run's checkpoints to the store: each part
+    goes up from the process that wrote it. The same hosts then resume it with one process each
+    (another layout: each reads parts written on the other host), as the uninterrupted run."""
+    _, whole = fsdp
+    url = f"gs://runs/{tmp_path.name}"
+    hosts = tmp_path / "hosts"
+    # Process 3 sends its parts late: process 2, on the same host, must leave them to it.
+    _fit(url, "cpu", "fsdp", 1, 6, *OBJECT_STORE_RUN, f"hosts={hosts}", "per_host=2", "slow_part=3",
+         launcher=_torchrun(4), env=gcs.env)
+    stored = set(_stored(url))
+    main_copy, other_copy = (_copy_on(hosts / f"host{h}", url, monkeypatch) for h in (0, 1))
+    for name in ("step-00000003", "step-00000004"):
+        assert {f"checkpoints/{name}/{f}" for f in ("meta.json", "shards/index.json")} <= stored
+        assert {f"checkpoints/{name}/shards/__{r}.safetensors" for r in range(4)} <= stored
+        # Host 1's parts went up from host 1: the main process's disk never held them.
+        assert sorted(p.name for p in (main_copy / "checkpoints" / name / "shards").iterdir()) == [
+            "__0.safetensors", "__1.safetensors", "index.json"]
+    # Once up, nothing of them is left on host 1's disk (its two processes shared one directory).
+    assert (other_copy / "checkpoints").is_dir()
+    assert [p for p in (other_copy / "checkpoints").rglob("*")] == []
+    resumed = _fit(url, "cpu", "fsdp", 2, 12, *OBJECT_STORE_RUN, f"hosts={hosts}", launcher=_torchrun(2),
+                   env=gcs.env)
+    assert "written by 4 process(es) and this run has 2" in resumed["stdout"], resumed["stdout"]
+    assert "continuing at epoch 2, step 0" in resumed["stdout"]
     _same_losses(resumed["HISTORY"], whole["HISTORY"])
 
 

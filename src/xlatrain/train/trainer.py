@@ -1061,9 +1061,10 @@ class Trainer:
             return cursor, sums
         if resume == "auto":
             damaged: list[str] = []
-            # On object storage, a process other than the main one brings each checkpoint it tries
-            # into its host's copy first (another host's disk holds none of the main process's).
-            fetch = self._remote.ensure_checkpoint if self._remote is not None and not st.is_main else None
+            # On object storage with several processes, each brings the checkpoint it tries into its
+            # host's copy first: another host's disk holds none of the main process's files, and
+            # the main process's holds none of the parts other hosts wrote.
+            fetch = self._remote.ensure_checkpoint if self._remote is not None and st.num_processes > 1 else None
             found = find_resumable(self.run_dir / "checkpoints", group=st, failures=damaged, fetch=fetch)
             if found is None:
                 self._refuse_to_retrain(damaged)
@@ -1177,7 +1178,8 @@ class Trainer:
         if self._observers.wants("on_checkpoint"):
             st = self.strategy
             if st.num_processes > 1:  # the main process wrote it: every process hears of it once it is complete
-                path = next((Path(p) for p in st.gather_objects(str(path) if path else None) if p), None)
+                name = next((n for n in st.gather_objects(path.name if path else None) if n), None)
+                path = self.run_dir / "checkpoints" / name if name else None  # under this process's own run dir
             self._observers.call("on_checkpoint", self, path)
         return path
 
