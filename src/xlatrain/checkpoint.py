@@ -429,7 +429,7 @@ def find_resumable(
         error: str | None = None
         try:
             if fetch is not None:
-                fetch(path.name)
+                fetch(candidate)
             found = read_checkpoint(path, verify_shards=not many)
             if many and found[0] is None:
                 index = json.loads((path / SHARDS_INDEX).read_text())

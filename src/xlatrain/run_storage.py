@@ -122,11 +122,8 @@ class RemoteRun:
         lock = f"{self.path}/{LOCK}"
         self._started = time.time()
         note = None
-        if storage.retrying("looking up", self.url, lambda: self.fs.exists(lock)):
-            try:
-                holder = json.loads(storage.retrying("reading", self.url, lambda: self.fs.cat_file(lock)))
-            except ValueError:
-                holder = {}
+        holder = self._holder()
+        if holder is not None:
             age = time.time() - float(holder.get("renewed", 0))
             if age < stale_after_s():
                 raise RunDirError(
@@ -151,15 +148,22 @@ class RemoteRun:
 
     def _renew_until_released(self) -> None:
         while not self._stop.wait(RENEW_EVERY_S):
-            try:
-                self.renew()
-            except storage.StorageError as exc:  # the next renewal may pass; a run is not stopped for it
-                log.warning(f"could not renew the lock of {self.url}: {exc}")
+            self.still_held()
+
+    def still_held(self) -> bool:
+        """Renew the lock now; False when another run took it over (:attr:`lost_to` names it). A
+        renewal that fails is said and retried at the next one: a run is not stopped for it."""
+        try:
+            self.renew()
+        except storage.StorageError as exc:
+            log.warning(f"could not renew the lock of {self.url}: {exc}")
+        return self.lost_to is None
 
     def _holder(self) -> dict | None:
-        """Who the lock on the store names now (``None``: there is none)."""
+        """Who the lock on the store names now (``None``: there is none; ``{}``: an unreadable record)."""
+        lock = f"{self.path}/{LOCK}"
         try:
-            return json.loads(storage.read_bytes(f"{self.url}/{LOCK}"))
+            return json.loads(storage.retrying("reading", self.url, lambda: self.fs.cat_file(lock)))
         except storage.StorageError as exc:
             if isinstance(exc.__cause__, FileNotFoundError):
                 return None
@@ -329,7 +333,6 @@ class RemoteRun:
                 continue  # unchanged since it last went up
             storage.upload(f, f"{self.url}/{rel}")
             self._sent[rel] = (info.st_size, info.st_mtime_ns)
-        self.renew()
 
     def clear(self) -> None:
         """``resume="overwrite"``: remove the earlier run's objects (the lock stays)."""

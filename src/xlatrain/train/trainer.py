@@ -1188,12 +1188,8 @@ class Trainer:
         # Every process's generators and running sums, so each continues exactly as it was.
         local = dict(zip(sums, (float(t) for t in rt.read(list(sums.values())))))
         lost = None
-        if self._remote is not None and st.is_main:
-            try:
-                self._remote.renew()  # a lock another run took over stops this one before it writes
-            except storage.StorageError as exc:
-                log.warning(f"could not renew the lock of {self._remote.url}: {exc}")
-            lost = self._remote.lost_to
+        if self._remote is not None and st.is_main and not self._remote.still_held():
+            lost = self._remote.lost_to  # another run took the lock over: this one stops before it writes
         per_process = st.gather_objects({"rng": rt.rng_state(), "sums": local, "lost": lost})
         if per_process[0]["lost"] is not None:
             raise run_lock.RunDirError(
