@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.input_pipeline import BATCH, SIZE, DecodeLimit, OnDemand, _epoch
+from benchmarks.input_pipeline import BATCH, SIZE, DecodeLimit, OnDemand, _busy_seconds, _epoch
 from xlatrain.data.pack import pack
 from xlatrain.data.shards import ShardDataset, iter_records
 from xlatrain.data.synthetic_rsna import LABEL_COLUMNS, PATH_COLUMNS, PATH_SUFFIX, generate
@@ -72,17 +72,10 @@ class FetchLimit(OnDemand):
                          [(url, batches[w::workers], REQUESTS) for w in range(workers)])
 
 
-def _busy_jiffies() -> tuple[int, int]:
-    """(busy, total) CPU jiffies of the whole machine so far."""
-    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = fields[3] + fields[4]  # idle + iowait
-    return sum(fields) - idle, sum(fields)
-
-
-def _process_jiffies(pid: int) -> int:
-    """User + system CPU jiffies of process ``pid`` so far."""
+def _process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class _Accounted:
@@ -91,24 +84,22 @@ class _Accounted:
     def __init__(self, side: Callable[[], tuple[int, float]], server_pid: int) -> None:
         self.side, self.server_pid = side, server_pid
         self.images = 0
-        self.busy = self.total = self.server = 0
+        self.busy_s = self.server_s = self.wall_s = 0.0
 
     def __call__(self) -> tuple[int, float]:
-        busy, total = _busy_jiffies()
-        server = _process_jiffies(self.server_pid)
+        busy, server, started = _busy_seconds(), _process_cpu_seconds(self.server_pid), time.perf_counter()
         count, seconds = self.side()
-        after_busy, after_total = _busy_jiffies()
+        self.wall_s += time.perf_counter() - started
+        self.busy_s += _busy_seconds() - busy
+        self.server_s += _process_cpu_seconds(self.server_pid) - server
         self.images += count
-        self.busy += after_busy - busy
-        self.total += after_total - total
-        self.server += _process_jiffies(self.server_pid) - server
         return count, seconds
 
     def figures(self) -> dict[str, float]:
-        tick = os.sysconf("SC_CLK_TCK")
-        return {"machine_cpu_us_per_image": round(1e6 * self.busy / tick / max(self.images, 1), 1),
-                "server_cpu_us_per_image": round(1e6 * self.server / tick / max(self.images, 1), 1),
-                "machine_busy_share": round(self.busy / max(self.total, 1), 3)}
+        per_image = 1e6 / max(self.images, 1)
+        return {"machine_cpu_us_per_image": round(self.busy_s * per_image, 1),
+                "server_cpu_us_per_image": round(self.server_s * per_image, 1),
+                "machine_busy_share": round(self.busy_s / (self.wall_s * (os.cpu_count() or 1)), 3)}
 
 
 def run() -> dict[str, Any]:
