@@ -1,6 +1,6 @@
 """Shards read from object storage: images/s through xlatrain's reader against its two limits.
 
-A GCS API server runs on 127.0.0.1 (gcp-storage-emulator, through xlatrain.storage_emulator) and
+A GCS API server runs on 127.0.0.1 (gcp-storage-emulator, through xlatrain.storage.emulator) and
 holds a pack of a generated RSNA-shaped dataset; the same pack sits on local disk. Per round:
 
 - ``reader``: ``ShardDataset("gs://...")`` training epochs, ``WORKERS`` worker processes, each
@@ -43,7 +43,7 @@ from benchmarks.input_pipeline import BATCH, SIZE, DecodeLimit, OnDemand, _busy_
 from xlatrain.data.pack import pack
 from xlatrain.data.shards import ShardDataset, iter_records
 from xlatrain.data.synthetic_rsna import LABEL_COLUMNS, PATH_COLUMNS, PATH_SUFFIX, generate
-from xlatrain.storage_emulator import LocalGCS
+from xlatrain.storage.emulator import LocalGCS
 
 NUM_STUDIES = 16  # about 1,200 slices
 ROUNDS = 5

@@ -33,7 +33,7 @@ settle_libtpu_without_tpu()
 # user's home, in this process and in every script a test starts.
 os.environ.setdefault("XLATRAIN_CACHE_DIR", str(Path(tempfile.gettempdir()) / "xlatrain-test-cache"))
 # gcsfs reads this when imported: the object_store tests' local GCS server cannot answer the
-# zonal-bucket probe that the default makes (a 60 s wait per bucket). See xlatrain.storage_emulator.
+# zonal-bucket probe that the default makes (a 60 s wait per bucket). See xlatrain.storage.emulator.
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 _SCRIPT_ENV: dict[str, str] = {}
 skip_idle_torch_tpu_autoload(_SCRIPT_ENV)

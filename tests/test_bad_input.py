@@ -183,7 +183,7 @@ def _bad_history(run_dir: Path) -> None:
 
 
 def _hold_lock(run_dir: Path) -> None:
-    from xlatrain import run_lock
+    from xlatrain.storage import lock as run_lock
 
     _HELD.append(run_lock.acquire(run_dir))
 
@@ -637,7 +637,7 @@ def test_the_command_prints_errors_without_a_traceback_and_debug_shows_it(finish
 
 @pytest.mark.multiprocess
 def test_every_process_of_a_torchrun_job_is_refused_a_locked_run_dir_with_one_message(tmp_path):
-    from xlatrain import run_lock
+    from xlatrain.storage import lock as run_lock
 
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     run_dir = tmp_path / "run"

@@ -339,7 +339,7 @@ def test_pe_workers_change_speed_not_data(tmp_path):
 
 @pytest.mark.object_store
 def test_pe_cache_dir_keeps_the_shards_read_from_object_storage(tmp_path):
-    from xlatrain.storage_emulator import LocalGCS
+    from xlatrain.storage.emulator import LocalGCS
 
     with LocalGCS(bucket="keys"):
         cached = _built("pe_detection", tmp_path / "data", "data.shards=gs://keys/pe",

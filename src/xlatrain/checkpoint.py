@@ -139,7 +139,7 @@ def _read_metadata(raw: bytes) -> dict[str, str]:
 #   step-00000123/          one directory per checkpoint, renamed into place when complete
 #     state.safetensors     a whole state: every tensor (model, optimizer), written by one process
 #     shards/               or a sharded state (FSDP): each process's part, through
-#       __0.safetensors     torch.distributed.checkpoint (see xlatrain.shard_storage), with
+#       __0.safetensors     torch.distributed.checkpoint (see xlatrain.storage.dcp), with
 #       index.json          index.json naming every chunk and each file's sha256
 #     meta.json             everything else, written last, with the sha256 of state.safetensors
 #                           or of shards/index.json
@@ -327,7 +327,7 @@ def write_sharded_checkpoint(
         )
 
     if upload_part is not None:
-        from xlatrain.shard_storage import shard_file
+        from xlatrain.storage.dcp import shard_file
 
         part = f"{SHARDS_DIR}/{shard_file(group.process_index)}"
         if failure is None:
@@ -394,7 +394,7 @@ def read_checkpoint(path: str | os.PathLike[str], verify_shards: bool = True) ->
 
 def check_shards(path: Path, index: dict, which: slice = slice(None)) -> None:
     """Every shard file ``which`` selects (of the sorted list) matches its sha256, or CheckpointError."""
-    from xlatrain.shard_storage import verify_files
+    from xlatrain.storage.dcp import verify_files
 
     bad = verify_files(path / SHARDS_DIR, index, sorted(index["files"])[which])
     if bad:
@@ -474,7 +474,7 @@ def export_weights(source: str | os.PathLike[str], out: str | os.PathLike[str] |
         run_dir = source
     aliases = meta.get("model_aliases", {})
     if tensors is None:
-        from xlatrain.shard_storage import consolidate
+        from xlatrain.storage.dcp import consolidate
 
         weights = consolidate(path / SHARDS_DIR, prefix="model.")
     else:

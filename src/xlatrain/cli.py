@@ -46,7 +46,7 @@ def _report(args: argparse.Namespace) -> int:
     # report is made there and, without --out, goes up beside the run (URL/report/).
     remote = {}
     for url in (d for d in args.run_dirs if storage.is_url(d)):
-        from xlatrain.run_storage import RemoteRun
+        from xlatrain.storage.remote_run import RemoteRun
 
         run = remote[url] = RemoteRun(url)
         if not run.pull(files_only=True):

@@ -21,12 +21,13 @@ from xlatrain import TrainConfig, Trainer, storage
 from xlatrain.data import shards as shards_module
 from xlatrain.data.pack import pack
 from xlatrain.data.shards import NormalizeInput, ShardDataset, ShardError, iter_records
-from xlatrain.storage_emulator import LocalGCS
+from xlatrain.storage.cache import ShardCache
+from xlatrain.storage.emulator import LocalGCS
 
 pytestmark = pytest.mark.object_store
 
 NUM, SIZE, BUCKET = 90, 16, "xlt"
-REQUESTS = 4  # the local server serves a few connections at once (see xlatrain.storage_emulator)
+REQUESTS = 4  # the local server serves a few connections at once (see xlatrain.storage.emulator)
 
 
 @pytest.fixture(scope="module")
@@ -243,7 +244,7 @@ def test_a_local_cache_serves_later_epochs_without_the_server_and_stays_within_i
         gcs.start()
     # A cache smaller than the pack keeps to its limit and reads the same records (no grace for
     # files in use here: this one process reads them all within seconds).
-    monkeypatch.setattr(shards_module._ShardCache, "IN_USE_S", 0.0)
+    monkeypatch.setattr(ShardCache, "IN_USE_S", 0.0)
     limit = 2 * max(e["num_bytes"] for e in entries)
     small = ShardDataset(url, channels=1, cache_dir=str(tmp_path / "small"), cache_bytes=limit)
     _same(_batches(small), near)

@@ -167,7 +167,7 @@ def test_a_ddp_checkpoint_resumes_under_fsdp_in_one_process(ddp, tmp_path):
 
 @pytest.fixture(scope="module")
 def gcs(tmp_path_factory):
-    from xlatrain.storage_emulator import LocalGCS
+    from xlatrain.storage.emulator import LocalGCS
 
     with LocalGCS(bucket="runs", data_dir=tmp_path_factory.mktemp("gcs")) as server:
         yield server
@@ -182,7 +182,7 @@ def _stored(url):
 
 def _copy_on(host_dir, url, monkeypatch):
     """The working copy of ``url`` a process whose local files are in ``host_dir`` keeps."""
-    from xlatrain.run_storage import local_copy
+    from xlatrain.storage.remote_run import local_copy
 
     monkeypatch.setenv("XLATRAIN_CACHE_DIR", str(host_dir))
     return local_copy(url)

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from xlatrain import storage
-from xlatrain.storage_emulator import LocalGCS
+from xlatrain.storage.emulator import LocalGCS
 
 pytestmark = pytest.mark.object_store
 
@@ -84,7 +84,7 @@ def test_a_run_whose_lock_another_run_took_over_stops_before_writing_and_leaves_
     from torch import nn
 
     import xlatrain
-    from xlatrain.run_lock import RunDirError
+    from xlatrain.storage.lock import RunDirError
 
     monkeypatch.setenv("XLATRAIN_CACHE_DIR", str(tmp_path / "vm1"))
     url = f"gs://{BUCKET}/{tmp_path.name}"

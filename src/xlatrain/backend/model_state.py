@@ -1,6 +1,6 @@
 """What the strategies share about a model's state: its weights whole or sharded, meta-device
 materialisation, the guarded optimizer step, the bytes a device holds, and sharded saves and loads
-through ``torch.distributed.checkpoint`` (DCP) with :mod:`xlatrain.shard_storage`.
+through ``torch.distributed.checkpoint`` (DCP) with :mod:`xlatrain.storage.dcp`.
 
 A DTensor (what ``fully_shard`` makes of a parameter) is handled by its local shard wherever a
 value is computed per device; a plain tensor is its own local part.
@@ -300,7 +300,7 @@ def save_dcp(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimize
     """Write this process's part of the state into ``path``; returns the JSON part (every process)."""
     import torch.distributed.checkpoint as dcp
 
-    from xlatrain.shard_storage import SafeShardWriter
+    from xlatrain.storage.dcp import SafeShardWriter
 
     tensors, extra = dcp_state(model, optimizer)
     kwargs = {"planner": planner} if planner is not None else {}
@@ -328,7 +328,7 @@ def load_dcp(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    from xlatrain.shard_storage import SafeShardReader
+    from xlatrain.storage.dcp import SafeShardReader
 
     tensors, _ = dcp_state(model, optimizer)  # targets shaped as this process holds them
     reader = SafeShardReader(path)

@@ -30,7 +30,6 @@ import pickle
 import select
 import signal
 import struct
-import time
 import traceback
 import weakref
 import zlib
@@ -45,6 +44,9 @@ import simplejpeg
 import torch
 
 from xlatrain import storage
+from xlatrain.storage.cache import ShardCache
+from xlatrain.data import webdataset
+from xlatrain.data.index import RecordIndex, ShardError
 from xlatrain.data.decode import as_size, dct_request, decode, rotate, to_tensor
 from xlatrain.data.sampling import EvalSampler
 from xlatrain.data.source import train_steps_per_epoch
@@ -61,10 +63,6 @@ TRAILER_MAGIC = b"XLSHEND1"
 _TRAILER = struct.Struct("<QQ8s")
 _ON_ERROR = ("raise", "skip")
 _TARGETS = ("float", "long")
-
-
-class ShardError(ValueError):
-    """A shard (or a record in it) is missing, truncated, corrupt or fails its checksum."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -506,30 +504,6 @@ class _BadRecord(Exception):
     pass
 
 
-@dataclass(kw_only=True)
-class _Index:
-    """Every manifest record (rows of dropped shards have ``length == -1``)."""
-
-    root: Path | str  # a local directory, or an object-storage URL
-    shard_names: list[str]
-    shard_bytes: list[int]
-    shard: np.ndarray
-    local: np.ndarray
-    start: np.ndarray
-    length: np.ndarray
-    crc32: np.ndarray
-    height: np.ndarray
-    width: np.ndarray
-    channels: np.ndarray
-    labels: np.ndarray
-    label_names: tuple[str, ...]
-    group_codes: np.ndarray
-    group_names: list[str]
-    dropped: list[tuple[str, int, str]]  # (shard, records, reason) left out under on_error="skip"
-    crc_known: bool = True  # WebDataset tars store no checksums
-    paths: list[str] | None = None  # each record's source, where the shards' own indexes do not hold it
-
-
 class _RemoteRecords:
     """Record bytes from object storage, for one process.
 
@@ -559,7 +533,7 @@ class _RemoteRecords:
             self._pending: dict[bytes, Any] = {}
             self._bytes: dict[tuple[int, int], memoryview] = {}
 
-    def start(self, gids: np.ndarray, index: _Index) -> None:
+    def start(self, gids: np.ndarray, index: RecordIndex) -> None:
         try:
             self._own()
         except storage.StorageError:
@@ -568,7 +542,7 @@ class _RemoteRecords:
         if key not in self._pending and len(self._pending) < 64:
             self._pending[key] = self._pool.submit(self._fetch, gids.copy(), index)
 
-    def fetch_now(self, gids: np.ndarray, index: _Index) -> None:
+    def fetch_now(self, gids: np.ndarray, index: RecordIndex) -> None:
         """Make the bytes of ``gids`` ready for :meth:`take`: from a fetch :meth:`start` began, or now."""
         self._own()
         future = self._pending.pop(gids.tobytes(), None)
@@ -577,7 +551,7 @@ class _RemoteRecords:
     def take(self, shard: int, start: int) -> memoryview:
         return self._bytes[shard, start]
 
-    def _fetch(self, gids: np.ndarray, index: _Index) -> dict[tuple[int, int], memoryview]:
+    def _fetch(self, gids: np.ndarray, index: RecordIndex) -> dict[tuple[int, int], memoryview]:
         keep = index.length[gids] >= 0  # records of a shard left out under on_error="skip" are not read
         records = sorted({(int(s), int(a), int(n)) for s, a, n in
                           zip(index.shard[gids][keep], index.start[gids][keep], index.length[gids][keep])})
@@ -607,75 +581,10 @@ class _RemoteRecords:
         return out
 
 
-class _ShardCache:
-    """Whole shards from object storage, kept in a local directory up to ``limit`` bytes.
-
-    A shard is fetched whole the first time a process needs one of its records (so with the
-    cache on, a process fetches whole shards, not only its records), written to a temporary file
-    and renamed into place: processes that share the directory never see a part of a file, and
-    two that fetch the same shard at once both rename a complete copy. Files are named by the
-    pack's URL and the shard's name, which holds its SHA-256 prefix: a re-packed dataset never
-    reads an old copy. When the directory holds more than ``limit`` bytes, the files used least
-    recently (their modification time, renewed on each use) are removed; a process that has one
-    open keeps reading it (the file goes when it is closed), and one that needs it again fetches it.
-    A file used in the last ``IN_USE_S`` seconds is not removed (another process may be about to
-    open it), so the directory can hold more than ``limit`` for that long. What is read, and in
-    which order, does not depend on what is cached.
-    """
-
-    IN_USE_S = 30.0
-
-    def __init__(self, root: str, directory: str, limit: int) -> None:
-        self.root = root
-        self.dir = Path(directory).expanduser() / hashlib.sha256(root.encode()).hexdigest()[:16]
-        self.limit = limit
-
-    def path(self, name: str, num_bytes: int) -> str:
-        target = self.dir / name
-        try:
-            if target.stat().st_size == num_bytes:
-                os.utime(target)  # used now: the last to be evicted
-                return str(target)
-        except FileNotFoundError:
-            pass
-        self.dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.dir / f".{name}.{os.getpid()}.part"
-        try:
-            url = storage.join(self.root, name)
-            fs, object_path = storage.filesystem(url)
-            storage.retrying("fetching into the cache", url, lambda: fs.get_file(object_path, str(tmp)))
-            if tmp.stat().st_size != num_bytes:
-                raise storage.StorageError(f"{url} has {tmp.stat().st_size} bytes, the manifest says {num_bytes}: "
-                                           "the object was replaced or cut short. Re-run `xlatrain pack`")
-            os.replace(tmp, target)
-        finally:
-            tmp.unlink(missing_ok=True)
-        self._evict(keep=target)
-        return str(target)
-
-    def _evict(self, keep: Path) -> None:
-        entries = []
-        for entry in os.scandir(self.dir.parent):
-            if entry.is_dir():
-                for f in os.scandir(entry.path):
-                    if f.is_file() and not f.name.startswith("."):
-                        info = f.stat()
-                        entries.append((info.st_mtime_ns, info.st_size, f.path))
-        total = sum(size for _, size, _ in entries)
-        recent = time.time_ns() - int(self.IN_USE_S * 1e9)
-        for used, size, path in sorted(entries):
-            if total <= self.limit or used >= recent:
-                break  # oldest first: the rest were used more recently still
-            if path != str(keep):
-                with contextlib.suppress(FileNotFoundError):  # another process removed it first
-                    os.unlink(path)
-                total -= size
-
-
 class _BatchReader:
     """Decodes one batch per call into rows it is given; picklable (open files are per process)."""
 
-    def __init__(self, index: _Index, ids: np.ndarray, targets: np.ndarray, options: ShardOptions, size: tuple[int, int]) -> None:
+    def __init__(self, index: RecordIndex, ids: np.ndarray, targets: np.ndarray, options: ShardOptions, size: tuple[int, int]) -> None:
         self.index = index
         self.ids = ids
         self.targets = targets
@@ -691,7 +600,7 @@ class _BatchReader:
         # Object storage: a batch's records come in one concurrent ranged fetch, started ahead
         # of its decode (see _RemoteRecords); None for local shards.
         remote = storage.is_url(index.root)
-        self._cache = _ShardCache(str(index.root), options.cache_dir, options.cache_bytes) \
+        self._cache = ShardCache(str(index.root), options.cache_dir, options.cache_bytes) \
             if remote and options.cache_dir is not None else None
         self._remote = _RemoteRecords(str(index.root), self._paths, options.remote_requests) \
             if remote and self._cache is None else None
@@ -1183,12 +1092,10 @@ def _stop_workers(procs: list[multiprocessing.process.BaseProcess], conns: list[
 # The dataset
 
 
-def _open_index(root: Path | str, options: ShardOptions) -> _Index:
+def _open_index(root: Path | str, options: ShardOptions) -> RecordIndex:
     has_manifest = storage.exists(storage.join(root, MANIFEST_NAME)) if isinstance(root, str) \
         else (root / MANIFEST_NAME).is_file()
     if not has_manifest:
-        from xlatrain.data import webdataset
-
         tars = webdataset.list_tars(root)
         if tars:
             return webdataset.open_tar_index(root, tars, options)
@@ -1197,7 +1104,7 @@ def _open_index(root: Path | str, options: ShardOptions) -> _Index:
     entries = manifest["shards"]
     total = sum(int(e["num_records"]) for e in entries)
     num_labels = len(label_names)
-    ix = _Index(
+    ix = RecordIndex(
         root=root,
         shard_names=[e["name"] for e in entries],
         shard_bytes=[int(e["num_bytes"]) for e in entries],
@@ -1302,7 +1209,7 @@ class ShardDataset:
             raise ValueError(f"{name} holds values outside 0..{limit - 1}: pass positions of this dataset's records")
         return ids
 
-    def _setup(self, root: Path | str, index: _Index, ids: np.ndarray, options: ShardOptions) -> None:
+    def _setup(self, root: Path | str, index: RecordIndex, ids: np.ndarray, options: ShardOptions) -> None:
         self.root, self.options, self._index = root, options, index
         present = index.length[ids] >= 0
         self._dropped_ids = ids[~present]

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from xlatrain import storage
+from xlatrain.data.index import RecordIndex, ShardError
 from xlatrain.logs import get_logger
 
 log = get_logger(__name__)
@@ -65,8 +66,6 @@ def _open(root: Path | str, name: str) -> Any:
 def _scan(root: Path | str, name: str, size: int) -> list[_Sample]:
     """The samples of one tar, in stored order."""
     import simplejpeg
-
-    from xlatrain.data.shards import ShardError
 
     samples: list[_Sample] = []
     by_key: dict[str, _Sample] = {}
@@ -117,8 +116,7 @@ def _scan(root: Path | str, name: str, size: int) -> list[_Sample]:
 
 
 def open_tar_index(root: Path | str, tars: list[tuple[str, int]], options: Any) -> Any:
-    """The ``_Index`` of a directory of WebDataset tars (see the module docstring)."""
-    from xlatrain.data.shards import ShardError, _Index
+    """The ``RecordIndex`` of a directory of WebDataset tars (see the module docstring)."""
 
     per_tar = []
     for name, size in tars:
@@ -139,7 +137,7 @@ def open_tar_index(root: Path | str, tars: list[tuple[str, int]], options: Any) 
         raise ValueError(f"{root}: samples have different labels (e.g. {missing[0]} lacks some of {names}): give "
                          "every sample the same .cls / .json fields")
     total = sum(len(found) if found else 0 for found in per_tar)
-    ix = _Index(
+    ix = RecordIndex(
         root=root, shard_names=[n for n, _ in tars], shard_bytes=[size for _, size in tars],
         shard=np.zeros(total, dtype=np.int64), local=np.zeros(total, dtype=np.int64),
         start=np.zeros(total, dtype=np.int64), length=np.full(total, -1, dtype=np.int64),

@@ -50,12 +50,13 @@ from xlatrain.diagnostics.compile import CompileWatch
 from xlatrain.diagnostics.profile import StepTrace
 from xlatrain.diagnostics.run import RunDiagnostics
 from xlatrain.logs import ensure_console, get_logger
-from xlatrain import run_lock, storage
+from xlatrain import storage
+from xlatrain.storage import lock as run_lock
 from xlatrain.progress import IntervalMeter, interactive_terminal
 from xlatrain.report import write_history
 from xlatrain.tensorboard import TensorBoardLog
 from xlatrain.train.batch import BatchLayout, collate, tree_map
-from xlatrain.run_storage import RemoteRun, stale_after_s
+from xlatrain.storage.remote_run import RemoteRun, stale_after_s
 from xlatrain.train.callbacks import Callbacks
 from xlatrain.train.observers import DiagnosticsObserver, Observers, ProgressObserver, TensorBoardObserver, TraceObserver
 from xlatrain.train.losses import EvalLoss, loss_terms
@@ -1226,7 +1227,7 @@ class Trainer:
         if st.is_main:
             prune_checkpoints(root, self.checkpoint.keep_last, keep={cursor.best_checkpoint} - {None})
             if self._remote is not None:  # complete here: up it goes, then the files it goes with
-                from xlatrain.shard_storage import shard_file
+                from xlatrain.storage.dcp import shard_file
 
                 parts = tuple(f"{SHARDS_DIR}/{shard_file(i)}" for i in range(st.num_processes)) if st.sharded_state else ()
                 self._remote.push_checkpoint(path, already_up=parts)  # the parts went up from their writers

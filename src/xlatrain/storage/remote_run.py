@@ -117,7 +117,7 @@ class RemoteRun:
     def acquire(self) -> str | None:
         """Take the run's lock; a note when a stale one was taken over. Raises ``RunDirError``
         naming the holder when a live run holds it."""
-        from xlatrain.run_lock import RunDirError, _describe
+        from xlatrain.storage.lock import RunDirError, _describe
 
         lock = f"{self.path}/{LOCK}"
         self._started = time.time()
@@ -185,7 +185,7 @@ class RemoteRun:
         if not self._mine(holder):
             # Checked, then written: a takeover in between (milliseconds, against minutes of
             # staleness) is not seen; the store offers no conditional overwrite through fsspec.
-            from xlatrain.run_lock import _describe
+            from xlatrain.storage.lock import _describe
 
             if holder is None:
                 self.lost_to = "nobody (the lock was removed)"
