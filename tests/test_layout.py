@@ -18,9 +18,21 @@ def _modules() -> dict[str, Path]:
     return found
 
 
+def _run_imports(tree: ast.AST):
+    """The import statements a module runs: at the top or inside a function alike (a function-level
+    import still makes two modules depend on each other), but not those under ``if TYPE_CHECKING:``,
+    which only name a type for annotations and never run."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            yield from (n for child in node.orelse for n in _run_imports(ast.Module(body=[child], type_ignores=[])))
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        yield from _run_imports(node)
+
+
 def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
-    """Module -> the package's modules it imports, at the top or inside a function alike (a
-    function-level import still makes two modules depend on each other)."""
+    """Module -> the package's modules it imports when it runs."""
 
     def owner(name: str) -> str:
         while name and name not in modules:
@@ -31,7 +43,7 @@ def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         edges = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in _run_imports(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 edges |= {owner(a.name) for a in node.names if a.name.startswith("xlatrain")}
             elif isinstance(node, ast.ImportFrom):
@@ -83,6 +95,18 @@ def test_the_cycle_finder_finds_a_circle_through_a_function_level_import():
     assert cycles({"a": {"b"}, "b": set()}) == []
 
 
+def test_imports_for_type_annotations_only_are_not_edges_and_function_level_ones_are():
+    code = """
+from typing import TYPE_CHECKING
+if TYPE_CHECKING:
+    from xlatrain.train.trainer import Trainer
+def f():
+    from xlatrain.data import shards
+"""
+    found = [ast.unparse(n) for n in _run_imports(ast.parse(code))]
+    assert found == ["from typing import TYPE_CHECKING", "from xlatrain.data import shards"]
+
+
 def test_no_module_of_the_package_imports_itself_back_through_others():
     graph = import_graph(_modules())
     assert "xlatrain.data.webdataset" in graph["xlatrain.data.shards"]  # the graph sees real edges
@@ -94,3 +118,19 @@ def test_where_bytes_live_is_one_folder():
     strays = sorted(n for n in top if "storage" in n or n in ("run_lock", "shard_storage"))
     assert strays == [], f"storage modules outside src/xlatrain/storage/: {strays}"
     assert {"emulator", "cache", "remote_run", "lock", "dcp"} <= {p.stem for p in (PACKAGE / "storage").glob("*.py")}
+
+
+def test_the_training_loop_reads_on_one_screen():
+    path = PACKAGE / "train" / "trainer.py"
+    text = path.read_text()
+    assert len(text.splitlines()) < 900, "trainer.py grew past 900 lines: move what is not the loop beside it"
+    trainer = next(n for n in ast.parse(text).body if isinstance(n, ast.ClassDef) and n.name == "Trainer")
+    loop = next(n for n in trainer.body if isinstance(n, ast.FunctionDef) and n.name == "_fit")
+    assert loop.end_lineno - loop.lineno + 1 <= 80
+    # One function holds the epochs, the steps within them, the step, the deferred read and the
+    # checkpoints: the loop a reader wants to see, top to bottom.
+    body = ast.unparse(loop)
+    epochs = next(n for n in ast.walk(loop) if isinstance(n, ast.For))
+    assert any(isinstance(n, ast.For) for n in ast.walk(epochs) if n is not epochs), "the step loop is not inside the epoch loop"
+    for call in ("self._train_step(", "rt.defer(", "resumable.save_checkpoint(", "self._validate(", "self._finish_epoch("):
+        assert call in body, call

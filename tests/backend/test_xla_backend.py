@@ -122,19 +122,26 @@ trainer = xlatrain.Trainer(
     checkpoint=xlatrain.CheckpointConfig(enabled=False),
     backend=xlatrain.BackendConfig(accelerator="xla", devices=1, xla_mode=mode),
 )
-rows, train_epoch = [], trainer._train_epoch
+from xlatrain.train.feed import TrainFeed
+rows, epoch_batches, epoch_means = [], TrainFeed.batches, trainer._epoch_means
+start = {}
 
 
-def counted(*args):
-    before, cuts = xla_metrics.snapshot(), met.counter_value("MarkStep") or 0
-    out = train_epoch(*args)
-    cost = xla_metrics.diff(before, xla_metrics.snapshot())
-    rows.append({"uploads": cost["transfer_to_device_count"], "cuts": (met.counter_value("MarkStep") or 0) - cuts,
+def batches(feed, *args):  # an epoch's training starts: its batches are asked for
+    start["metrics"], start["cuts"] = xla_metrics.snapshot(), met.counter_value("MarkStep") or 0
+    return epoch_batches(feed, *args)
+
+
+def counted(*args):  # and ends with its epoch-end read
+    out = epoch_means(*args)
+    cost = xla_metrics.diff(start["metrics"], xla_metrics.snapshot())
+    rows.append({"uploads": cost["transfer_to_device_count"], "cuts": (met.counter_value("MarkStep") or 0) - start["cuts"],
                  "compiles": cost["compile_count"]})
     return out
 
 
-trainer._train_epoch = counted
+TrainFeed.batches = batches
+trainer._epoch_means = counted
 g = torch.Generator().manual_seed(0)
 x = torch.randn(96, 8, generator=g)
 trainer.fit(TensorDataset(x, (x[:, 0] > 0).long()))

@@ -304,9 +304,10 @@ trainer, data = tiny({str(tmp_path)!r})
 trainer.fit(data)
 resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
 from xlatrain.checkpoint import CheckpointError
+from xlatrain.train.resumable import save_checkpoint
 from xlatrain.train.state import Cursor
 try:
-    trainer._save_checkpoint(Cursor(epoch=1, step=10, global_step=99), trainer._new_sums())
+    save_checkpoint(trainer, Cursor(epoch=1, step=10, global_step=99), trainer._new_sums())
 except CheckpointError as exc:
     print("ERROR", exc)
 """

@@ -78,15 +78,9 @@ class EagerStrategy:
     def reduce_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         pass  # reduced in backward, or one process
 
-    def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
-        # Every process holds the same reduced gradients: the local norm is the global one.
-        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, finite: torch.Tensor | None) -> None:
-        if finite is None:
-            optimizer.step()
-        else:
-            model_state.guarded_step(optimizer, finite)
+    # Every process holds the same reduced gradients: the local norm is the global one.
+    clip_grad_norm = staticmethod(model_state.clip_grad_norm)
+    optimizer_step = staticmethod(model_state.optimizer_step)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         return self._procs.all_reduce_sum(tensor)

@@ -106,6 +106,23 @@ def keep_ties(module: torch.nn.Module, move: Callable[[torch.nn.Module], torch.n
     return moved
 
 
+def optimizer_step(optimizer: torch.optim.Optimizer, finite: torch.Tensor | None) -> None:
+    """A strategy's ``optimizer_step`` where every process holds its gradients reduced (all of
+    them but SPMD's, which adds its placement of the state): ``optimizer.step()``, or with
+    ``finite`` given a :func:`guarded_step`."""
+    if finite is None:
+        optimizer.step()
+    else:
+        guarded_step(optimizer, finite)
+
+
+def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """A strategy's ``clip_grad_norm`` where the local norm is the global one: every process holds
+    the reduced gradients whole (one process, DDP, torch_xla's processes), or the compiler computes
+    it over whole tensors (SPMD). FSDP's sharded gradients need their own."""
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+
 @torch.no_grad()
 def guarded_step(optimizer: torch.optim.Optimizer, finite: torch.Tensor) -> None:
     """``optimizer.step()`` that leaves parameters and optimizer state unchanged when ``finite``

@@ -73,16 +73,10 @@ class XlaStrategy:
     def reduce_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         pass
 
-    def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
-        # Under SPMD the norm of sharded gradients is computed over whole tensors by the compiler;
-        # one process per device clips after the gradients were all-reduced.
-        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, finite: torch.Tensor | None) -> None:
-        if finite is None:
-            optimizer.step()
-        else:
-            model_state.guarded_step(optimizer, finite)
+    # Under SPMD the norm of sharded gradients is computed over whole tensors by the compiler;
+    # one process per device clips after the gradients were all-reduced.
+    clip_grad_norm = staticmethod(model_state.clip_grad_norm)
+    optimizer_step = staticmethod(model_state.optimizer_step)
 
     def barrier(self) -> None:
         if self.num_processes > 1:

@@ -1,0 +1,200 @@
+"""What the Trainer is handed, checked before any work: the kinds of its arguments, and what a
+dry run's batch says about the loss, the targets and the task's metrics. Each refusal names the
+problem and the fix."""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from xlatrain.config import CheckpointConfig, TrainConfig
+from xlatrain.data.source import BatchSource
+from xlatrain.train.batch import tree_map
+
+
+def check_arguments(
+    model: Any, loss_fn: Any, optimizer_fn: Any, scheduler_fn: Any, config: Any, checkpoint: Any, metrics_fn: Any
+) -> None:
+    """What the Trainer is handed has the kind it needs, or a TypeError saying what to pass."""
+    if not isinstance(model, torch.nn.Module):
+        what = "None" if model is None else (
+            f"{model!r} is a function" if callable(model) else f"{type(model).__name__}")
+        raise TypeError(
+            f"model {what}, not a torch.nn.Module: pass the module (an nn.Module subclass, or wrap a function's "
+            "layers in one), so that its parameters can be trained and saved"
+            if model is not None else
+            "model is None: pass the torch.nn.Module to train"
+        )
+    if not callable(loss_fn):
+        raise TypeError(
+            f"loss_fn {loss_fn!r} is not callable: pass loss_fn(outputs, targets) -> loss, e.g. nn.CrossEntropyLoss()"
+        )
+    if isinstance(optimizer_fn, torch.optim.Optimizer) or not callable(optimizer_fn):
+        what = f"is an optimizer ({type(optimizer_fn).__name__})" if isinstance(optimizer_fn, torch.optim.Optimizer) \
+            else f"{optimizer_fn!r} is not callable"
+        raise TypeError(
+            f"optimizer_fn {what}: pass a factory that builds the optimizer from the parameters once they are on the "
+            "device, e.g. functools.partial(torch.optim.SGD, lr=0.1)"
+        )
+    if scheduler_fn is not None and (
+        isinstance(scheduler_fn, torch.optim.lr_scheduler.LRScheduler) or not callable(scheduler_fn)
+    ):
+        what = "is a scheduler (already built on another optimizer)" if callable(getattr(scheduler_fn, "step", None)) \
+            else f"{scheduler_fn!r} is not callable"
+        raise TypeError(
+            f"scheduler_fn {what}: pass a factory that builds it from the optimizer, e.g. "
+            "functools.partial(torch.optim.lr_scheduler.StepLR, step_size=3), or lambda opt, run: "
+            "OneCycleLR(opt, max_lr=0.1, total_steps=run.total_steps)"
+        )
+    for name, value, cls in (("config", config, TrainConfig), ("checkpoint", checkpoint, CheckpointConfig)):
+        if value is not None and not isinstance(value, cls):
+            raise TypeError(
+                f"{name} is a {type(value).__name__}, not a {cls.__name__}: pass {cls.__name__}(**your_values)"
+            )
+    if metrics_fn is not None and not callable(metrics_fn):
+        raise TypeError(f"metrics_fn {metrics_fn!r} is not callable: pass metrics_fn(outputs, targets) -> {{name: value}}")
+
+
+def check_pipeline_arguments(collate_fn: Any, sampler: Any, batch_transform: Any) -> None:
+    """The pipeline's own pieces (``collate_fn``, ``sampler``, ``batch_transform``), as
+    :func:`check_arguments` checks the rest."""
+    if collate_fn is not None and not callable(collate_fn):
+        raise TypeError(
+            f"collate_fn={collate_fn!r} is not callable: give a function that makes one batch from a list of "
+            "dataset items, e.g. lambda items: mixup(*default_collate(items))"
+        )
+    if sampler is not None and not (callable(sampler) or hasattr(sampler, "__iter__")):
+        raise TypeError(
+            f"sampler={sampler!r} is neither a sampler (iterable over dataset indices) nor a factory "
+            "sampler(dataset, num_replicas=..., rank=...) building one"
+        )
+    if batch_transform is not None and not callable(batch_transform):
+        raise TypeError(
+            f"batch_transform={batch_transform!r} is not callable: give a function of a batch on the device that "
+            "returns the batch, e.g. lambda b: (normalize(b[0]), b[1])"
+        )
+
+
+def check_dataset(name: str, data: Any) -> None:
+    if isinstance(data, BatchSource):
+        return
+    if isinstance(data, (str, bytes)) or not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
+        raise TypeError(
+            f"{name} {data!r} is not a dataset: give a map-style Dataset (with __len__ and __getitem__ returning "
+            "(inputs, targets)), a list of items, or a BatchSource such as xlatrain's ShardDataset"
+        )
+
+
+def required_positional(fn: Callable[..., Any]) -> int:
+    """Positional parameters of ``fn`` that have no default (``functools.partial`` applied)."""
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return 1
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return sum(1 for p in params if p.kind in kinds and p.default is inspect.Parameter.empty)
+
+
+def is_cross_entropy(loss_fn: Any) -> bool:
+    inner = getattr(loss_fn, "func", loss_fn)  # functools.partial
+    return isinstance(loss_fn, torch.nn.CrossEntropyLoss) or inner is torch.nn.functional.cross_entropy
+
+
+def check_class_targets(loss_fn: Any, targets: Any) -> None:
+    """Cross-entropy's targets, checked on the host copy of the dry run's batch."""
+    if is_cross_entropy(loss_fn) and isinstance(targets, torch.Tensor) and targets.dtype == torch.bool:
+        raise ValueError(
+            "CrossEntropyLoss got bool targets: give class indices (targets.long() in the dataset) or class "
+            "probabilities (floats of the outputs' shape)"
+        )
+
+
+def check_class_outputs(loss_fn: Any, outputs: Any, targets: Any) -> None:
+    """Cross-entropy's class-index targets against the number of outputs (host copy of the targets)."""
+    if not (is_cross_entropy(loss_fn) and isinstance(outputs, torch.Tensor) and isinstance(targets, torch.Tensor)):
+        return
+    if outputs.dim() < 2:
+        return
+    classes = outputs.shape[1]
+    if targets.is_floating_point():
+        if tuple(targets.shape) != tuple(outputs.shape):
+            raise ValueError(
+                f"CrossEntropyLoss got float targets of shape {tuple(targets.shape)}: it takes class indices "
+                f"(integers, shape {tuple(outputs.shape[:1]) + tuple(outputs.shape[2:])}) or class probabilities "
+                f"(floats, the outputs' shape {tuple(outputs.shape)}). Give class indices with .long() in the dataset, "
+                "or probabilities of the outputs' shape"
+            )
+        return
+    ignore = getattr(loss_fn, "ignore_index", -100)
+    bad = targets[(targets != ignore) & ((targets < 0) | (targets >= classes))]
+    if bad.numel():
+        raise ValueError(
+            f"the targets hold class index {int(bad[0])}, but the model has {classes} outputs (classes 0..{classes - 1}): "
+            f"give the model's last layer one output per class (num_outputs), or map the labels to 0..{classes - 1} "
+            "in the dataset"
+        )
+
+
+_BROADCAST = re.compile(r"target size \((.*?)\) that is different to the input size \((.*?)\)")
+
+
+def refuse_broadcast_loss(caught: list[warnings.WarningMessage], loss_fn: Any) -> None:
+    """torch warns, and goes on, when an elementwise loss (MSE, L1, Huber, ...) gets targets of
+    another shape than the outputs: it broadcasts them, and every output meets every target. That
+    is never what was meant; it is an error here. Other warnings are passed on as they were."""
+    for w in caught:
+        found = _BROADCAST.search(str(w.message))
+        if found is None:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+            continue
+        target, output = (tuple(int(n) for n in re.findall(r"\d+", part)) for part in found.groups())
+        into = tuple(torch.broadcast_shapes(target, output))
+        raise ValueError(
+            f"loss_fn {loss_fn!r} got outputs of shape {output} and targets of shape {target}: torch broadcasts "
+            f"them to {into}, so every output is compared with every target and the loss is wrong. Give both one "
+            f"shape: squeeze the model's outputs (outputs.squeeze(-1) in the model or the loss), or reshape the "
+            "targets in the dataset"
+        )
+
+
+def shapes(batch: Any) -> str:
+    leaves = tree_map(lambda t: tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__, batch)
+    return str(leaves)
+
+
+def check_task(task: str, outputs: Any, targets: Any, top_k: Sequence[int] = ()) -> None:
+    """The task's metrics can be computed from these outputs and targets (shapes and dtypes only)."""
+    def shape(x: Any) -> Any:
+        return tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+
+    fix = "set TrainConfig(task='none') to report the loss (and metrics_fn's metrics) only"
+    if task == "classification":
+        ok = isinstance(outputs, torch.Tensor) and isinstance(targets, torch.Tensor) and outputs.dim() == 2 and (
+            (targets.dim() == 1 and not targets.is_floating_point() and targets.shape[0] == outputs.shape[0])
+            or (targets.is_floating_point() and targets.shape == outputs.shape and outputs.shape[1] > 1)  # probabilities
+        )
+        if not ok:
+            raise ValueError(
+                "task='classification' reports accuracy from [batch, classes] logits and [batch] class indices "
+                f"(or class probabilities of the logits' shape), but the model returned {shape(outputs)} and the "
+                f"targets are {shape(targets)}: {fix}"
+            )
+        if top_k and max(top_k) > outputs.shape[1]:
+            raise ValueError(
+                f"top_k={tuple(top_k)} asks for top-{max(top_k)} accuracy, but the model has {outputs.shape[1]} outputs "
+                f"(classes): give ks of at most {outputs.shape[1]}"
+            )
+    elif task == "multilabel":
+        ok = isinstance(outputs, torch.Tensor) and isinstance(targets, torch.Tensor) and outputs.dim() == 2 \
+            and outputs.shape == targets.shape
+        if not ok:
+            raise ValueError(
+                "task='multilabel' reports per-label AUC from [batch, labels] logits and targets of the same shape, "
+                f"but the model returned {shape(outputs)} and the targets are {shape(targets)}: {fix}"
+            )

@@ -1,0 +1,271 @@
+"""What makes a fit resumable: its checkpoints (every process's state, the main process writes),
+continuing from one, and stopping on SIGTERM / SIGINT with a checkpoint of the step it reached."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from xlatrain.checkpoint import (
+    SHARDS_DIR,
+    SHARDS_INDEX,
+    distinct_weights,
+    find_resumable,
+    prune_checkpoints,
+    read_checkpoint,
+    write_checkpoint,
+    write_sharded_checkpoint,
+)
+from xlatrain.report import write_history
+from xlatrain.storage import lock as run_lock
+from xlatrain.storage.remote_run import stale_after_s
+from xlatrain.train.state import (
+    Cursor,
+    pack_meta,
+    pack_whole,
+    resume_changes,
+    saved_shapes,
+    sharded_extra,
+    unpack_meta,
+    unpack_whole,
+)
+
+if TYPE_CHECKING:
+    from xlatrain.train.trainer import Trainer
+
+
+def resume(trainer: Trainer, resume: bool | str) -> tuple[Cursor, dict[str, torch.Tensor]]:
+    """The cursor and running sums this fit continues from (a fresh start's where there is none),
+    with the model, optimizer, schedule and random streams restored from the checkpoint."""
+    rt, st, run_dir = trainer.runtime, trainer.strategy, trainer._dir
+    cursor, sums = Cursor(), trainer._new_sums()
+    if resume in (False, "overwrite"):
+        return cursor, sums
+    if resume == "auto":
+        damaged: list[str] = []
+        # On object storage with several processes, each brings the checkpoint it tries into its
+        # host's copy first: another host's disk holds none of the main process's files, and
+        # the main process's holds none of the parts other hosts wrote.
+        fetch = run_dir.remote.ensure_checkpoint if run_dir.remote is not None and st.num_processes > 1 else None
+        found = find_resumable(run_dir.path / "checkpoints", group=st, failures=damaged, fetch=fetch)
+        if found is None:
+            run_dir.refuse_to_retrain(damaged)
+            return cursor, sums
+        path, tensors, meta = found
+    else:
+        path, tensors, meta = explicit_checkpoint(Path(resume), st)
+    check_resumable(trainer, path, tensors, meta)
+    if tensors is None:  # a sharded state: each process reads the chunks its layout needs
+        st.load_sharded(path / SHARDS_DIR, trainer.model, trainer.optimizer, meta["sharded"])
+    else:
+        weights, optim_state = unpack_whole(tensors, meta)
+        st.load_whole(trainer.model, trainer.optimizer, weights, optim_state)
+    cursor, per_process_sums, rng = unpack_meta(meta, trainer.scheduler)
+    if trainer.grad_scaler is not None and "grad_scaler" in meta:
+        trainer.grad_scaler.load_state_dict(meta["grad_scaler"])
+    if cursor.epoch_done and cursor.best_epoch == cursor.epoch:
+        cursor.best_checkpoint = path.name  # saved right after the best epoch: this one
+    # What all_reduce_mean(sums["loss"]) reads at the first log interval, known here without a read.
+    trainer._start_loss_sum = sum(p["loss"] for p in per_process_sums) / len(per_process_sums)
+    if len(rng) == st.num_processes:
+        mine = per_process_sums[st.process_index]
+        rt.set_rng_state(rng[st.process_index])
+    else:
+        mine = resharded_sums(per_process_sums, st.process_index, st.num_processes)
+        # Random streams belong to processes; another process count cannot take them over.
+        rt.seed_everything((trainer.config.seed * 1_000_003 + cursor.global_step) * 1_000_003 + st.process_index)
+        trainer._say(
+            f"the checkpoint was written by {len(rng)} process(es) and this run has {st.num_processes}: "
+            "model, optimizer, schedule and data order continue exactly; random draws (dropout, "
+            "augmentation) continue from a seed of the step, not from the saved streams"
+        )
+    sums = {k: torch.tensor(v, dtype=torch.float32).to(rt.device) for k, v in mine.items()}
+    epoch, step = cursor.next_position()
+    trainer._say(f"resumed from {path}: continuing at epoch {epoch}, step {step} (optimizer step {cursor.global_step})")
+    return cursor, sums
+
+
+def check_resumable(trainer: Trainer, path: Path, tensors: dict[str, torch.Tensor] | None, meta: dict[str, Any]) -> None:
+    """Refuse, before anything is loaded, a checkpoint this run cannot continue; log what changed."""
+    ways_on = (
+        "Resume with the old values, or start over: --fresh on the command line, "
+        "fit(..., resume=False) in Python (a new run directory; this one is kept)."
+    )
+    index = json.loads((path / SHARDS_INDEX).read_text()) if tensors is None else None
+    saved = saved_shapes(tensors, index, meta.get("model_aliases", {}))
+    mine = trainer.strategy.model_shapes(trainer.model)
+    if saved != mine:
+        diffs = [f"{n}: {saved.get(n, 'absent')} -> {mine.get(n, 'absent')}" for n in sorted(set(saved) | set(mine))
+                 if saved.get(n) != mine.get(n)]
+        raise ValueError(
+            f"cannot resume from {path}: the model differs from the checkpoint's in {len(diffs)} weight(s) "
+            f"(checkpoint -> this model): {'; '.join(diffs[:5])}{' ...' if len(diffs) > 5 else ''}. {ways_on}"
+        )
+    old = meta.get("config") or {}
+    if "trainer" not in old:  # written before the whole run config was recorded
+        old = {"trainer": old}
+    raw = meta.get("cursor", {})
+    done = raw.get("epoch", 1) - (0 if raw.get("epoch_done") else 1)
+    continued, refused = resume_changes(old, trainer._config_record, epochs_done=done)
+    if refused:
+        raise ValueError(f"cannot resume from {path}: the run cannot continue under {'; '.join(refused)}. {ways_on}")
+    if continued:
+        trainer._say(f"resuming with changed settings: {'; '.join(continued)}")
+
+
+def save_checkpoint(trainer: Trainer, cursor: Cursor, sums: dict[str, torch.Tensor]) -> Path | None:
+    """Write a checkpoint of where the run stands (every process takes part); callbacks hear of it
+    once it is complete."""
+    path = _write(trainer, cursor, sums)
+    if trainer._observers.wants("on_checkpoint"):
+        st = trainer.strategy
+        if st.num_processes > 1:  # the main process wrote it: every process hears of it once it is complete
+            name = next((n for n in st.gather_objects(path.name if path else None) if n), None)
+            path = trainer.run_dir / "checkpoints" / name if name else None  # under this process's own run dir
+        trainer._observers.call("on_checkpoint", trainer, path)
+    return path
+
+
+def _write(trainer: Trainer, cursor: Cursor, sums: dict[str, torch.Tensor]) -> Path | None:
+    rt, st, remote = trainer.runtime, trainer.strategy, trainer._dir.remote
+    # Every process's generators and running sums, so each continues exactly as it was.
+    local = dict(zip(sums, (float(t) for t in rt.read(list(sums.values())))))
+    lost = None
+    if remote is not None and st.is_main and not remote.still_held():
+        lost = remote.lost_to  # another run took the lock over: this one stops before it writes
+    per_process = st.gather_objects({"rng": rt.rng_state(), "sums": local, "lost": lost})
+    if per_process[0]["lost"] is not None:
+        raise run_lock.RunDirError(
+            f"{trainer.run_location}: another run took this one's lock over ({per_process[0]['lost']}), as this run "
+            f"had not renewed it for {stale_after_s():,.0f} s (stalled, or cut off from the store). This run "
+            "stops without writing there; the other run's checkpoints are its own")
+    # A non-finite loss since the last check must not become the latest checkpoint.
+    trainer._check_nonfinite(sum(p["sums"]["nonfinite"] for p in per_process), cursor.epoch, 1, cursor.step)
+    meta = pack_meta(
+        scheduler=trainer.scheduler, cursor=cursor, sums_per_process=[p["sums"] for p in per_process],
+        rng_states=[p["rng"] for p in per_process], config=trainer._config_record,
+    )
+    if trainer.grad_scaler is not None:  # its scale and growth count (a read of one number)
+        meta["grad_scaler"] = trainer.grad_scaler.state_dict()
+    root = trainer.run_dir / "checkpoints"
+    if st.sharded_state:
+        # Every process writes its own part; nothing is gathered onto one of them.
+        meta["model_aliases"] = distinct_weights(st.unwrap(trainer.model))[1]  # for `xlatrain export`
+        with rt.planned_transfers():
+            path = write_sharded_checkpoint(
+                root, cursor.global_step, meta,
+                lambda directory: sharded_extra(st.save_sharded(directory, trainer.model, trainer.optimizer)), st,
+                upload_part=remote.push_part if remote is not None else None,
+            )
+    else:
+        # Every process reads the state (a read on some processes only stalls a TorchTPU
+        # mesh); the main one writes it.
+        tensors, whole = pack_whole(st.unwrap(trainer.model), trainer.optimizer, rt.read)
+        if not st.is_main:
+            return None
+        path = write_checkpoint(root, cursor.global_step, tensors, {**meta, **whole})
+    if cursor.epoch_done and cursor.best_epoch == cursor.epoch:
+        cursor.best_checkpoint = path.name
+    if st.is_main:
+        prune_checkpoints(root, trainer.checkpoint.keep_last, keep={cursor.best_checkpoint} - {None})
+        if remote is not None:  # complete here: up it goes, then the files it goes with
+            from xlatrain.storage.dcp import shard_file
+
+            parts = tuple(f"{SHARDS_DIR}/{shard_file(i)}" for i in range(st.num_processes)) if st.sharded_state else ()
+            remote.push_checkpoint(path, already_up=parts)  # the parts went up from their writers
+            remote.push_files()
+    return path
+
+
+def preempt(trainer: Trainer, cursor: Cursor, sums: dict[str, torch.Tensor], stop: StopSignals) -> None:
+    """A stop was asked for (on this process or a peer): checkpoint this step, then exit."""
+    path = save_checkpoint(trainer, cursor, sums) if trainer.checkpoint.enabled else None
+    if trainer.strategy.is_main:
+        write_history(trainer.run_dir, trainer.history)
+    trainer.strategy.barrier()
+    # A process that was not signalled stops because a peer was: every process stops at this
+    # same step, and only a Ctrl-C (SIGINT) of this process makes its exit code non-zero.
+    name = signal.Signals(stop.signum).name if stop.signum else "a stop requested on another process"
+    trainer._say(
+        f"{name}: stopped after epoch {cursor.epoch} step {cursor.step}"
+        + (f"; checkpoint {path}" if path else "")
+        + ". Run the same command again to resume (resume='auto')."
+    )
+    raise SystemExit(128 + stop.signum if stop.signum not in (None, signal.SIGTERM) else 0)
+
+
+def explicit_checkpoint(path: Path, group: Any) -> tuple[Path, dict[str, torch.Tensor] | None, dict[str, Any]]:
+    """The checkpoint ``resume=PATH`` names: a checkpoint directory, or a run directory (its
+    newest checkpoint that verifies)."""
+    if not path.exists():
+        raise run_lock.RunDirError(
+            f"resume={str(path)!r}: no such file or directory. Give a checkpoint (RUN_DIR/checkpoints/step-NNNNNNNN) "
+            "or a run directory"
+        )
+    if (path / "checkpoints").is_dir() and not (path / "meta.json").exists():
+        damaged: list[str] = []
+        found = find_resumable(path / "checkpoints", group=group, failures=damaged)
+        if found is None:
+            raise run_lock.RunDirError(
+                f"resume={str(path)!r}: this run directory holds no checkpoint that loads"
+                + (f" ({'; '.join(damaged)})" if damaged else "")
+            )
+        return found
+    if not (path / "meta.json").exists():
+        raise run_lock.RunDirError(
+            f"resume={str(path)!r} is not a checkpoint (no meta.json in it): give a checkpoint directory "
+            "(RUN_DIR/checkpoints/step-NNNNNNNN) or a run directory"
+        )
+    tensors, meta = read_checkpoint(path)
+    return path, tensors, meta
+
+
+def resharded_sums(per_process: list[dict[str, float]], index: int, count: int) -> dict[str, float]:
+    """This process's share of running sums saved by another number of processes: every process
+    starts from the saved mean (so the mean over processes is unchanged) and process 0 carries the
+    non-finite count."""
+    names = per_process[0].keys()
+    out = {k: sum(p[k] for p in per_process) / len(per_process) for k in names}
+    out["nonfinite"] = sum(p["nonfinite"] for p in per_process) if index == 0 else 0.0
+    return out
+
+
+class StopSignals:
+    """SIGTERM / SIGINT ask the loop to stop after the current step; a second one exits at once.
+
+    Only the main thread can install handlers; elsewhere (e.g. a notebook's worker thread) the
+    run keeps Python's defaults.
+    """
+
+    def __init__(self, say: Callable[[str], None]) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+        self._say = say
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum is not None:
+            os._exit(128 + signum)  # files are written atomically: nothing is left torn
+        self.signum = signum
+        name = signal.Signals(signum).name
+        self._say(f"{name}: finishing this step, then saving a checkpoint; a second {name} stops at once")
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
