@@ -22,6 +22,9 @@ _EXPORTS = {
     "BackendConfig": "xlatrain.config",
     "CheckpointConfig": "xlatrain.config",
     "TrainConfig": "xlatrain.config",
+    "PadCollate": "xlatrain.data.padding",
+    "collate": "xlatrain.train.batch",
+    "DetectionMAP": "xlatrain.train.detection",
     "DiagnosticsError": "xlatrain.diagnostics.run",
     "DoesNotFitError": "xlatrain.train.trainer",
     "ModelParameters": "xlatrain.train.trainer",
@@ -52,5 +55,8 @@ if TYPE_CHECKING:
     from xlatrain.backend.errors import BackendUnavailableError
     from xlatrain.checkpoint import load_weights, save_weights
     from xlatrain.config import BackendConfig, CheckpointConfig, TrainConfig
+    from xlatrain.data.padding import PadCollate
+    from xlatrain.train.batch import collate
+    from xlatrain.train.detection import DetectionMAP
     from xlatrain.diagnostics.run import DiagnosticsError
     from xlatrain.train.trainer import DoesNotFitError, ModelParameters, NonFiniteLossError, RunShape, Trainer

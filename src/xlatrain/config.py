@@ -32,8 +32,13 @@ def monitor_mode_for(monitor: str) -> str | None:
     Example:
         >>> monitor_mode_for("val_weighted_log_loss"), monitor_mode_for("val_mean_auc"), monitor_mode_for("val_mae")
         ('min', 'max', None)
+        >>> monitor_mode_for("val_map50")
+        'max'
     """
-    return MONITOR_DIRECTIONS.get(monitor.rsplit("_", 1)[-1])
+    word = monitor.rsplit("_", 1)[-1]
+    if word.startswith("map") and word[3:].isdigit():  # mean average precision at an IoU: map50, map75
+        return "max"
+    return MONITOR_DIRECTIONS.get(word)
 
 
 def _choice(name: str, value: Any, valid: tuple[str, ...]) -> None:

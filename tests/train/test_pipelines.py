@@ -148,7 +148,7 @@ def test_a_loss_that_cannot_work_fails_before_the_first_step_naming_what_was_pas
                       inputs="image", targets=("mask", "depth"), accelerator="cpu")
     with pytest.raises(ValueError, match=r"before training: loss_fn returned a mapping with keys 'dice' but no 'loss'"):
         trainer.fit(DictItems(16))
-    assert calls == [False]  # one dry-run call, no training step
+    assert calls == [True]  # one dry-run call, run as the step runs it (gradients on); no training step
     # Cross-entropy over per-pixel class probabilities trains, but accuracy needs [B, C] logits.
     with pytest.raises(ValueError, match=r"validation batch.*task='classification'.*\[batch, classes\].*\(2, 1, 8, 8\).*task='none'"):
         Trainer(nn.Conv2d(1, 1, 1), nn.CrossEntropyLoss(), functools.partial(torch.optim.Adam, lr=1e-2),

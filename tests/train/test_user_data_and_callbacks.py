@@ -10,6 +10,7 @@ from torch import nn
 from torch.utils.data import RandomSampler, Sampler, TensorDataset
 
 from xlatrain import CheckpointConfig, TrainConfig, Trainer
+from xlatrain.train.batch import collate
 
 N, DIM, CLASSES, BATCH = 48, 6, 3, 8
 
@@ -128,7 +129,9 @@ def test_collate_fn_makes_the_training_batches_and_the_dry_run_goes_through_it(t
         return nn.functional.cross_entropy(outputs, targets)
 
     order = list(range(N))
-    history = _trainer(tmp_path, loss=loss, collate_fn=soft, sampler=order).fit(_data(), _data(16, seed=1))
+    # A collate that changes the targets is for training only: evaluation stacks items as they are.
+    history = _trainer(tmp_path, loss=loss, collate_fn=soft, eval_collate_fn=collate, sampler=order).fit(
+        _data(), _data(16, seed=1))
     # Training saw soft targets (the dry run's 2 rows first), validation the dataset's class indices.
     assert seen[0] == ((2, CLASSES), torch.float32)
     assert ((BATCH, CLASSES), torch.float32) in seen and ((2,), torch.int64) in seen

@@ -107,6 +107,11 @@ class EvalSampler(Sampler[int]):
         starts = torch.arange(self.steps) * gb + lo
         return (starts[:, None] + torch.arange(self.loader_batch)[None, :]).reshape(-1)
 
+    def valid_counts(self, process_index: int) -> list[int]:
+        """The real (not padding) rows of each of a process's batches, known without a device read."""
+        real = self.indices(process_index).reshape(self.steps, self.loader_batch) < self.num_samples
+        return real.sum(dim=1).tolist()
+
     def __len__(self) -> int:
         return self.steps * self.loader_batch
 

@@ -480,16 +480,18 @@ class RunDiagnostics:
         out: list[Finding] = []
         changes = [c for p in self._phases.values() for c in p.changes]
         num_changes = sum(p.num_changes for p in self._phases.values())
-        if changes and self._xla:
+        if changes and self._compiles_per_shape():
             out.append(Finding(
-                "input-shape-change", f"inputs changed shape or dtype {num_changes} time(s)",
+                "input-shape-change", f"inputs changed shape or dtype {num_changes} time(s)"
+                + self._distinct_shapes(),
                 "; ".join(
                     f"{c['phase']} from epoch {c['epoch']} step {c['step']} ({c['times']}x): {c['cause']}"
                     for c in changes
                 ),
-                "Every new shape compiles a new graph on XLA. Pad or resize inputs to one size, keep "
-                "batches full (the Trainer's own samplers do; a custom BatchSource must too), and "
-                "bucket variable lengths into a few fixed sizes.",
+                f"Every new shape compiles a new graph on {'XLA' if self._xla else 'TorchTPU'}. Pad or resize "
+                "inputs to one size, keep batches full (the Trainer's own samplers do; a custom BatchSource must "
+                "too), and bucket variable lengths into a few fixed sizes (xlatrain.data.PadCollate("
+                "pad_to_multiple_of=64) or buckets=(...), or pad_to_multiple_of in a Hugging Face collator).",
             ))
         recompiled = self._compile_finding()
         if recompiled is not None:
@@ -538,6 +540,15 @@ class RunDiagnostics:
             ))
         return out
 
+    def _compiles_per_shape(self) -> bool:
+        """Whether each new input shape compiles a new graph here: on XLA, and on TorchTPU (whose
+        eager ops compile per shape too); torch.compile's recompiles are its watch's to report."""
+        return self._xla or self._platform == "tpu"
+
+    def _distinct_shapes(self) -> str:
+        counts = [f"{len(p.seen)} distinct in {name}" for name, p in self._phases.items() if len(p.seen) > 1]
+        return f" ({', '.join(counts)})" if counts else ""
+
     def _input_wait_is_evidence(self) -> bool:
         # Eager CPU/CUDA run the step before asking for the next batch, and an XLA accelerator
         # computes apart from the host, so waiting there means the loader was late. XLA:CPU runs
@@ -582,6 +593,19 @@ class RunDiagnostics:
                 )
         if self._compile is not None:
             out.extend(self._compile.notes())
+        changes = [c for p in self._phases.values() for c in p.changes]
+        if changes and not self._compiles_per_shape():
+            train_shapes = len(self._phases["train"].seen) if "train" in self._phases else 0
+            out.append(
+                f"input shapes: batches changed shape {sum(p.num_changes for p in self._phases.values())} time(s)"
+                f"{self._distinct_shapes()}, e.g. {changes[0]['phase']} epoch {changes[0]['epoch']} step "
+                f"{changes[0]['step']}: {changes[0]['cause']}. "
+                + ("Free on this runtime (eager)" if self._compile is None else
+                   "Under torch.compile each new shape compiles again (its recompilations are listed)")
+                + f"; on XLA and TorchTPU each new shape compiles a new graph"
+                f"{f' ({train_shapes} in training here)' if train_shapes > 1 else ''}: pad or resize to a few shapes "
+                "there (sequences: xlatrain.data.PadCollate(pad_to_multiple_of=...) or buckets=...)"
+            )
         train = self._phases.get("train")
         if not self._input_wait_is_evidence() and train and train.batches:
             out.append(

@@ -46,10 +46,16 @@ def collate(items: Sequence[Any]) -> Any:
     first_spec = specs[0][1]
     for i, (_, spec) in enumerate(specs[1:], start=1):
         if spec != first_spec:
+            where, a, b = _first_difference(first_spec, spec)
+            ragged = a.startswith(("a list of", "a tuple of")) and b.startswith(("a list of", "a tuple of"))
             raise ValueError(
-                f"dataset items 0 and {i} of one batch differ in structure ({_describe(first_spec)} vs "
-                f"{_describe(spec)}): every item must have the same keys, fields and nesting, an "
-                "(inputs, targets) pair by default (or give the Trainer inputs=/targets= names)"
+                f"dataset items 0 and {i} of one batch differ in structure: {where} is {a} in item 0 but {b} in item "
+                f"{i}. " + (
+                    "Sequences of different lengths are batched by a padding collate_fn (xlatrain.data.PadCollate, "
+                    "or transformers' DataCollatorWithPadding), given as collate_fn= (and eval_collate_fn= where "
+                    "evaluation batches differ)" if ragged else
+                    "Every item must have the same keys, fields and nesting, an (inputs, targets) pair by default "
+                    "(or give the Trainer inputs=/targets= names)")
             )
     columns = zip(*(leaves for leaves, _ in specs))
     return tree_unflatten([_stack(list(col), k) for k, col in enumerate(columns)], first_spec)
@@ -75,13 +81,25 @@ def _stack(values: list[Any], field: int = 0) -> Any:
     return values
 
 
+def _first_difference(a: Spec, b: Spec, path: str = "the item") -> tuple[str, str, str]:
+    """Where two item structures first differ, and what each is there."""
+    if a is None or b is None or a[0] != b[0] or a[1] != b[1] or len(a[2]) != len(b[2]):
+        return path, _describe(a), _describe(b)
+    kind, aux, children = a
+    names = aux[1] if kind in ("dict", "dataclass") else range(len(children))
+    for name, ca, cb in zip(names, children, b[2]):
+        if ca != cb:
+            return _first_difference(ca, cb, f"field {name!r}" if path == "the item" else f"{path}[{name!r}]")
+    return path, _describe(a), _describe(b)
+
+
 def _describe(spec: Spec) -> str:
     if spec is None:
         return "a value"
     kind, aux, children = spec
     if kind in ("dict", "dataclass"):
-        return f"{aux[0].__name__}({', '.join(aux[1])})"
-    return f"{aux.__name__} of {len(children)}"
+        return f"a {aux[0].__name__} with keys {', '.join(map(str, aux[1]))}"
+    return f"a {aux.__name__} of {len(children)} items"
 
 
 class BatchLayout:

@@ -17,7 +17,8 @@ from xlatrain.train.batch import tree_map
 
 
 def check_arguments(
-    model: Any, loss_fn: Any, optimizer_fn: Any, scheduler_fn: Any, config: Any, checkpoint: Any, metrics_fn: Any
+    model: Any, loss_fn: Any, optimizer_fn: Any, scheduler_fn: Any, config: Any, checkpoint: Any, metrics_fn: Any,
+    val_loss_fn: Any = None,
 ) -> None:
     """What the Trainer is handed has the kind it needs, or a TypeError saying what to pass."""
     if not isinstance(model, torch.nn.Module):
@@ -29,10 +30,12 @@ def check_arguments(
             if model is not None else
             "model is None: pass the torch.nn.Module to train"
         )
-    if not callable(loss_fn):
-        raise TypeError(
-            f"loss_fn {loss_fn!r} is not callable: pass loss_fn(outputs, targets) -> loss, e.g. nn.CrossEntropyLoss()"
-        )
+    for name, fn in (("loss_fn", loss_fn), ("val_loss_fn", val_loss_fn)):
+        if fn is not None and not callable(fn):
+            raise TypeError(
+                f"{name} {fn!r} is not callable: pass {name}(outputs, targets) -> loss, e.g. nn.CrossEntropyLoss(), "
+                "or loss_fn=None to train on the loss the model computes itself (out.loss)"
+            )
     if isinstance(optimizer_fn, torch.optim.Optimizer) or not callable(optimizer_fn):
         what = f"is an optimizer ({type(optimizer_fn).__name__})" if isinstance(optimizer_fn, torch.optim.Optimizer) \
             else f"{optimizer_fn!r} is not callable"
@@ -55,28 +58,36 @@ def check_arguments(
             raise TypeError(
                 f"{name} is a {type(value).__name__}, not a {cls.__name__}: pass {cls.__name__}(**your_values)"
             )
-    if metrics_fn is not None and not callable(metrics_fn):
-        raise TypeError(f"metrics_fn {metrics_fn!r} is not callable: pass metrics_fn(outputs, targets) -> {{name: value}}")
-
-
-def check_pipeline_arguments(collate_fn: Any, sampler: Any, batch_transform: Any) -> None:
-    """The pipeline's own pieces (``collate_fn``, ``sampler``, ``batch_transform``), as
-    :func:`check_arguments` checks the rest."""
-    if collate_fn is not None and not callable(collate_fn):
+    streaming = callable(getattr(metrics_fn, "update", None)) and callable(getattr(metrics_fn, "compute", None))
+    if metrics_fn is not None and not callable(metrics_fn) and not streaming:
         raise TypeError(
-            f"collate_fn={collate_fn!r} is not callable: give a function that makes one batch from a list of "
-            "dataset items, e.g. lambda items: mixup(*default_collate(items))"
+            f"metrics_fn {metrics_fn!r} is not callable: pass metrics_fn(outputs, targets) -> {{name: value}}, or a "
+            "metric object with update(preds, targets) and compute() (a torchmetrics metric)"
         )
+
+
+def check_pipeline_arguments(
+    collate_fn: Any, sampler: Any, batch_transform: Any, train_batch_transform: Any = None, eval_collate_fn: Any = None,
+) -> None:
+    """The pipeline's own pieces (``collate_fn``, ``sampler``, the batch transforms), as
+    :func:`check_arguments` checks the rest."""
+    for name, fn in (("collate_fn", collate_fn), ("eval_collate_fn", eval_collate_fn)):
+        if fn is not None and not callable(fn):
+            raise TypeError(
+                f"{name}={fn!r} is not callable: give a function that makes one batch from a list of "
+                "dataset items, e.g. lambda items: mixup(*default_collate(items))"
+            )
     if sampler is not None and not (callable(sampler) or hasattr(sampler, "__iter__")):
         raise TypeError(
             f"sampler={sampler!r} is neither a sampler (iterable over dataset indices) nor a factory "
             "sampler(dataset, num_replicas=..., rank=...) building one"
         )
-    if batch_transform is not None and not callable(batch_transform):
-        raise TypeError(
-            f"batch_transform={batch_transform!r} is not callable: give a function of a batch on the device that "
-            "returns the batch, e.g. lambda b: (normalize(b[0]), b[1])"
-        )
+    for name, fn in (("batch_transform", batch_transform), ("train_batch_transform", train_batch_transform)):
+        if fn is not None and not callable(fn):
+            raise TypeError(
+                f"{name}={fn!r} is not callable: give a function of a batch on the device that returns the batch, "
+                "e.g. lambda b: (normalize(b[0]), b[1])"
+            )
 
 
 def check_dataset(name: str, data: Any) -> None:
@@ -168,7 +179,7 @@ def shapes(batch: Any) -> str:
     return str(leaves)
 
 
-def check_task(task: str, outputs: Any, targets: Any, top_k: Sequence[int] = ()) -> None:
+def check_task(task: str, outputs: Any, targets: Any, top_k: Sequence[int] = (), task_given: bool = False) -> None:
     """The task's metrics can be computed from these outputs and targets (shapes and dtypes only)."""
     def shape(x: Any) -> Any:
         return tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
@@ -190,7 +201,15 @@ def check_task(task: str, outputs: Any, targets: Any, top_k: Sequence[int] = ())
                 f"top_k={tuple(top_k)} asks for top-{max(top_k)} accuracy, but the model has {outputs.shape[1]} outputs "
                 f"(classes): give ks of at most {outputs.shape[1]}"
             )
-    elif task == "multilabel":
+    elif top_k:
+        raise ValueError(
+            f"top_k={tuple(top_k)} asks for top-k accuracy, which task={task!r} does not report: top-k needs "
+            "task='classification' ([batch, classes] logits and class targets; the task was "
+            + ("set" if task_given else "inferred from the loss and the outputs' shapes") + f", the model returned "
+            f"{shape(outputs)} and the targets are {shape(targets)}). Set TrainConfig(task='classification') "
+            "(trainer.task) where the outputs are class scores, or drop top_k"
+        )
+    if task == "multilabel":
         ok = isinstance(outputs, torch.Tensor) and isinstance(targets, torch.Tensor) and outputs.dim() == 2 \
             and outputs.shape == targets.shape
         if not ok:

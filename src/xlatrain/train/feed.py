@@ -96,15 +96,34 @@ class TrainFeed:
         return self._runtime.wrap_loader(host, self._sharding)
 
 
-def eval_batches(config: TrainConfig, runtime: Runtime, strategy: Strategy, dataset: Any) -> tuple[Iterable[Any], EvalSampler]:
-    """Device batches ``((inputs, targets), valid)`` of an evaluation pass and the layout they follow."""
+def eval_batches(
+    config: TrainConfig, runtime: Runtime, strategy: Strategy, dataset: Any,
+    collate_fn: Callable[[list[Any]], Any] = collate,
+) -> tuple[Iterable[Any], EvalSampler]:
+    """Device batches ``(batch, valid)`` of an evaluation pass and the layout they follow:
+    ``collate_fn`` makes each batch of the dataset's items, padded up to whole global batches
+    with copies of real items that ``valid`` flags false."""
     layout = loader_layout(strategy, config.eval_batch_size or config.batch_size)
     sampler = EvalSampler(len(dataset), **layout)
     if isinstance(dataset, BatchSource):
         host: Iterable[Any] = dataset.eval_batches(**layout)
     else:
-        host = data_loader(config, runtime, PaddedDataset(Items(dataset), len(dataset)), sampler)
+        padded = PaddedDataset(Items(dataset), len(dataset))
+        host = data_loader(config, runtime, padded, sampler, collate if collate_fn is collate else _Flagged(collate_fn))
     return runtime.wrap_loader(host, strategy.input_sharding), sampler
+
+
+class _Flagged:
+    """A user's collate over padded items ``(item, is_real)``: ``(collate_fn(items), valid)``."""
+
+    def __init__(self, collate_fn: Callable[[list[Any]], Any]) -> None:
+        self.collate_fn = collate_fn
+
+    def __call__(self, pairs: list[tuple[Any, bool]]) -> tuple[Any, torch.Tensor]:
+        batch = self.collate_fn([item for item, _ in pairs])
+        if batch is None:
+            raise ValueError(f"eval_collate_fn {self.collate_fn!r} returned None: it must return the batch it makes")
+        return batch, torch.tensor([real for _, real in pairs])
 
 
 def first_batch(data: Any, rows: int = 2, collate_fn: Callable[[list[Any]], Any] = collate) -> Any:

@@ -1,4 +1,6 @@
 """Losses as users write them: a scalar, or named terms plus a total; per sample or per batch.
+(A model that computes its own loss is read by :mod:`xlatrain.train.model_io`; evaluation then
+averages its per-batch loss over the batch's real rows.)
 
 ``loss_fn(outputs, targets)`` may return
 
@@ -92,12 +94,18 @@ class EvalLoss:
     evaluate is found before the first training step.
     """
 
-    def __init__(self, loss_fn: LossFn, per_sample: LossFn | None) -> None:
+    def __init__(self, loss_fn: LossFn | None, per_sample: LossFn | None,
+                 own: Callable[[Any], tuple[torch.Tensor, dict[str, torch.Tensor]]] | None = None) -> None:
         self.loss_fn = loss_fn
         self.per_sample = per_sample
+        self.own = own  # the model's own loss, taken from its outputs (loss_fn=None)
 
     @property
     def mode(self) -> str:
+        if self.own is not None:
+            return "own"
+        if self.loss_fn is None:
+            return "none"  # the model's evaluation returns no loss (a detector's detections)
         return "per_sample" if self.per_sample is not None else "whole_set"
 
     @classmethod

@@ -6,6 +6,7 @@ every sum, so each real sample counts exactly once whatever the batch and device
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -20,14 +21,39 @@ from xlatrain.train.losses import EvalLoss
 
 
 def infer_task(loss_fn: Any) -> str:
-    """``classification`` for cross-entropy, ``multilabel`` for BCE-with-logits, else ``none``."""
-    if isinstance(loss_fn, torch.nn.CrossEntropyLoss) or loss_fn is torch.nn.functional.cross_entropy:
+    """``classification`` for a cross-entropy (``CrossEntropyLoss``, ``F.cross_entropy``, and losses
+    named as one, such as timm's ``SoftTargetCrossEntropy``), ``multilabel`` for BCE-with-logits,
+    else ``none``."""
+    inner = getattr(loss_fn, "func", loss_fn)  # functools.partial
+    if isinstance(loss_fn, torch.nn.CrossEntropyLoss) or inner is torch.nn.functional.cross_entropy:
         return "classification"
-    if isinstance(loss_fn, torch.nn.BCEWithLogitsLoss) or (
-        loss_fn is torch.nn.functional.binary_cross_entropy_with_logits
-    ):
+    if isinstance(loss_fn, torch.nn.BCEWithLogitsLoss) or inner is torch.nn.functional.binary_cross_entropy_with_logits:
         return "multilabel"
+    if isinstance(loss_fn, torch.nn.Module) and type(loss_fn).__name__.endswith("CrossEntropy"):
+        return "classification"
     return "none"
+
+
+def task_from_shapes(predictions: Any, targets: Any) -> str:
+    """What a batch's shapes say the task is, where the loss does not (the model's own loss):
+    ``classification`` for ``[N, C]`` logits with ``[N]`` class indices or ``[N, C]`` class
+    probabilities, else ``none``."""
+    if not (isinstance(predictions, torch.Tensor) and isinstance(targets, torch.Tensor)):
+        return "none"
+    if predictions.dim() != 2 or not predictions.is_floating_point() or predictions.shape[1] < 2:
+        return "none"
+    if targets.dim() == 1 and not targets.is_floating_point() and targets.dtype != torch.bool \
+            and targets.shape[0] == predictions.shape[0]:
+        return "classification"
+    if targets.is_floating_point() and targets.shape == predictions.shape:
+        return "classification"
+    return "none"
+
+
+def is_streaming(metrics_fn: Any) -> bool:
+    """A metric object fed batch by batch (``update(preds, targets)``, then ``compute()``), as
+    torchmetrics' metrics are, rather than a function of the whole set."""
+    return callable(getattr(metrics_fn, "update", None)) and callable(getattr(metrics_fn, "compute", None))
 
 
 def default_monitor(task: str) -> tuple[str, str]:
@@ -82,42 +108,76 @@ def as_float(tree: Any) -> Any:
 class EvalAccumulator:
     """Running sums for one evaluation pass, kept on the device.
 
-    In per-sample mode the loss and each of its terms are summed per batch over real rows (and
-    accuracy for classification). Outputs and targets go to the host only when something needs
-    every row: a whole-set loss, multilabel AUC, ``metrics_fn``.
+    The loss is summed over real rows: per sample (an unreduced ``loss_fn`` masked by ``valid``),
+    or per batch for the model's own loss (its mean times the batch's real rows; padding rows were
+    cut from the batch before the model saw it), or over the whole set on the host. Accuracy and
+    top-k are summed per batch. Predictions and targets go to the host only when something needs
+    every row: a whole-set loss, multilabel AUC, a ``metrics_fn`` function. A streaming metric
+    (``update``/``compute``) gets each batch's real rows.
     """
 
     def __init__(
-        self, task: str, device: torch.device, loss: EvalLoss, rows: RowCollector | None, top_k: Sequence[int] = ()
+        self, task: str, runtime: Runtime, strategy: Strategy, layout: EvalSampler, loss: EvalLoss | None,
+        io: Any, *, top_k: Sequence[int] = (), metrics_fn: Any = None,
     ) -> None:
         self.task = task
-        self.top_k = list(top_k) if task == "classification" else []
+        self.io = io
+        # top-1 is ``accuracy``: its own column would repeat it.
+        self.top_k = [k for k in top_k if k > 1] if task == "classification" else []
         self.loss = loss
+        self.layout = layout
+        self.full_rows = layout.loader_batch
         self.sums: dict[str, torch.Tensor] = {}
+        device = runtime.device
         self.count = torch.zeros((), device=device)
         self.correct = torch.zeros((), device=device)
         self.top_correct = [torch.zeros((), device=device) for _ in self.top_k]
-        self.rows = rows
+        # torchmetrics' metrics sync themselves over torch.distributed at compute().
+        self.streaming = metrics_fn if is_streaming(metrics_fn) else None
+        keep_rows = (metrics_fn is not None and self.streaming is None) or task == "multilabel" or (
+            loss is not None and loss.mode == "whole_set")
+        self.rows = RowCollector(runtime, strategy, layout) if keep_rows else None
+        self._valid_counts = layout.valid_counts(layout.process_index)
 
-    def update(self, outputs: Any, targets: Any, valid_B: torch.Tensor) -> None:
+    def trim(self, index: int, batch: Any, valid_B: torch.Tensor) -> tuple[Any, torch.Tensor, int]:
+        """Under the model's own loss, batch ``index`` without its padding rows (at least one row
+        is kept: every process runs the model, as sharded weights need), its validity flags, and
+        its real row count (known on the host from the layout: no device read)."""
+        real = self._valid_counts[index] if index < len(self._valid_counts) else self.full_rows
+        if not self.io.own_loss or real == self.full_rows:
+            return batch, valid_B, real
+        rows = max(real, 1)
+        return trim_rows(batch, rows, self.full_rows), valid_B[:rows], real
+
+    def update(self, outputs: Any, targets: Any, valid_B: torch.Tensor, real: int) -> None:
+        rows = int(valid_B.shape[0])
         mask_B = valid_B.float()
         self.count = self.count + mask_B.sum()
-        if self.loss.per_sample is not None:
-            for name, values_B in self.loss.rows(outputs, targets).items():
+        predictions = as_float(self.io.predictions(outputs))
+        if self.loss is not None and self.loss.mode == "own":
+            total, terms = self.loss.own(outputs)
+            for name, value in (("loss", total), *terms.items()):
+                weighted = value.float() * mask_B.sum()
+                self.sums[name] = self.sums[name] + weighted if name in self.sums else weighted
+        elif self.loss is not None and self.loss.per_sample is not None:
+            for name, values_B in self.loss.rows(self.io.field(as_float(outputs)), targets).items():
                 masked = (values_B * mask_B).sum()
                 self.sums[name] = self.sums[name] + masked if name in self.sums else masked
         if self.task == "classification":
             if targets.is_floating_point():  # soft targets (label smoothing, mixup): their likeliest class
                 targets = targets.argmax(dim=1)
-            hit_B = (outputs.argmax(dim=1) == targets) & valid_B
+            hit_B = (predictions.argmax(dim=1) == targets) & valid_B
             self.correct = self.correct + hit_B.sum().to(self.correct.dtype)
             if self.top_k:
-                top_BK = outputs.topk(max(self.top_k), dim=1).indices == targets[:, None]
+                top_BK = predictions.topk(max(self.top_k), dim=1).indices == targets[:, None]
                 for i, k in enumerate(self.top_k):
                     hits = top_BK[:, :k].any(dim=1) & valid_B
                     self.top_correct[i] = self.top_correct[i] + hits.sum().to(self.correct.dtype)
+        if self.streaming is not None and real > 0:
+            self.streaming.update(first_rows(predictions, real, rows), first_rows(targets, real, rows))
         if self.rows is not None:
-            self.rows.add((outputs, targets))
+            kept = self.io.field(as_float(outputs)) if self.loss is not None and self.loss.mode == "whole_set" else predictions
+            self.rows.add(pad_rows((kept, targets), rows, self.full_rows))
 
     def compute(
         self,
@@ -138,14 +198,19 @@ class EvalAccumulator:
         if self.task == "classification":
             out["accuracy"] = correct / count
             out.update({f"top{k}_accuracy": c / count for k, c in zip(self.top_k, top_correct)})
+        if self.streaming is not None:
+            found = self.streaming.compute()
+            if hasattr(self.streaming, "reset"):
+                self.streaming.reset()
+            out.update(_metric_values(self.streaming, found))
         if self.rows is not None:
             outputs, targets = self.rows.result()
-            if self.loss.per_sample is None:
+            if self.loss is not None and self.loss.mode == "whole_set":
                 out.update(self.loss.whole_set(outputs, targets))
             if self.task == "multilabel":
                 probs = torch.sigmoid(outputs)
                 out.update(multilabel_auc(probs.numpy(), targets.numpy(), label_names))
-            if metrics_fn is not None:
+            if metrics_fn is not None and self.streaming is None:
                 found = metrics_fn(outputs, targets)
                 if not isinstance(found, Mapping):
                     raise TypeError(
@@ -154,6 +219,65 @@ class EvalAccumulator:
                     )
                 out.update({k: float(v) for k, v in found.items()})
         return out
+
+
+def _metric_values(metric: Any, found: Any) -> dict[str, float]:
+    """A streaming metric's result as history columns: a mapping's numbers by name, a single
+    number under the metric's class name in snake case."""
+    if isinstance(found, Mapping):
+        return {str(k): float(v) for k, v in found.items()
+                if not isinstance(v, torch.Tensor) or v.numel() == 1}
+    name = "".join(f"_{c.lower()}" if c.isupper() else c for c in type(metric).__name__).lstrip("_")
+    return {name: float(found)}
+
+
+def trim_rows(batch: Any, rows: int, full: int) -> Any:
+    """The first ``rows`` of a batch of ``full`` rows. The batch's top level holds its fields (a
+    pair, a mapping, a dataclass's values); a field is a tensor (rows along dim 0), a list / tuple
+    of per-row items (a detector's images and target dicts), or fields again."""
+    if isinstance(batch, torch.Tensor):
+        return batch[:rows] if batch.dim() > 0 and batch.shape[0] == full else batch
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return dataclasses.replace(batch, **{f.name: _trim_field(getattr(batch, f.name), rows, full)
+                                             for f in dataclasses.fields(batch)})
+    if isinstance(batch, Mapping):
+        return {k: _trim_field(v, rows, full) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_trim_field(v, rows, full) for v in batch)
+    return batch
+
+
+def _trim_field(field: Any, rows: int, full: int) -> Any:
+    if isinstance(field, (list, tuple)) and not isinstance(field, torch.Size):
+        batched = all(isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == full for v in field)
+        if len(field) == full and not batched:
+            return type(field)(field[:rows])  # one item per row
+    return trim_rows(field, rows, full)
+
+
+def first_rows(tree: Any, rows: int, have: int) -> Any:
+    """The first ``rows`` of a model's predictions or a batch's targets (a tensor, a list of
+    per-row items, or a mapping / tuple of those)."""
+    if rows == have:
+        return tree
+    if isinstance(tree, torch.Tensor):
+        return tree[:rows] if tree.dim() > 0 and tree.shape[0] == have else tree
+    if isinstance(tree, Mapping):
+        return {k: first_rows(v, rows, have) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(tree[:rows]) if len(tree) == have else type(tree)(first_rows(v, rows, have) for v in tree)
+    return tree
+
+
+def pad_rows(tree: Any, rows: int, full: int) -> Any:
+    """Tensors of ``rows`` rows back to ``full`` (zeros after), so every process gathers one shape."""
+    if rows == full:
+        return tree
+    def pad(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == rows:
+            return torch.cat([t, t.new_zeros((full - rows, *t.shape[1:]))])
+        return t
+    return tree_map(pad, tree)
 
 
 def roc_auc(scores: np.ndarray, labels: np.ndarray) -> float:

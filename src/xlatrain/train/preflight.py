@@ -13,7 +13,8 @@ from xlatrain.backend.base import host_rng_state, set_host_rng_state
 from xlatrain.backend.model_state import weight_bytes
 from xlatrain.backend.precision import Precision
 from xlatrain.train import perf
-from xlatrain.train.batch import collate, tree_map
+from xlatrain.train.batch import tree_map
+from xlatrain.data.source import BatchSource
 from xlatrain.train.checks import (
     check_class_outputs,
     check_class_targets,
@@ -22,8 +23,9 @@ from xlatrain.train.checks import (
     shapes,
 )
 from xlatrain.train.feed import first_batch
-from xlatrain.train.losses import EvalLoss, loss_terms
-from xlatrain.train.metrics import as_float
+from xlatrain.train.losses import EvalLoss
+from xlatrain.train.metrics import as_float, default_monitor, is_streaming, task_from_shapes
+from xlatrain.train.model_io import no_grad_message, own_loss_terms
 
 if TYPE_CHECKING:
     from xlatrain.train.trainer import Trainer
@@ -39,93 +41,182 @@ def to_device(trainer: Trainer, host_batch: Any) -> Any:
     return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, host_batch)
 
 
-def dry_run(trainer: Trainer, train_data: Any | None, val_data: Any | None) -> None:
-    """Run the model and loss on one batch before any training, so a batch layout, a loss or a
-    task metric that cannot work fails now, with its cause, and not after an epoch.
-
-    The model runs in eval mode without gradients and host random state is put back, so the
-    run's numbers are what they would be without it. On XLA nothing executes: the shapes are
-    traced only and the traced graph is dropped.
-    """
-    model, loss_fn = trainer.model, trainer.loss_fn
-    was_training = model.training
-    host_rng = host_rng_state()
-    role, batch = "training", None
+def prepare(trainer: Trainer, train_data: Any, val_data: Any | None) -> tuple[perf.MemoryPlan, perf.Throughput]:
+    """Everything before the first step that runs the model: one training batch as the step runs it
+    (train mode, gradients on) serves the dry run, the FLOP count and the activation measurement;
+    one validation batch goes through evaluation's own path, gathers included. Random state,
+    batch-norm statistics and gradients are put back, so the run's numbers are what they would be
+    without it. Returns the memory plan and the throughput yardstick."""
+    rt = trainer.runtime
+    rng, host_rng = rt.rng_state(), host_rng_state()
     try:
-        model.eval()
-        with torch.no_grad():
-            for role, data in (("training", train_data), ("validation", val_data)):
-                if data is None:
-                    continue
-                host_batch = first_batch(data, collate_fn=trainer._collate if role == "training" else collate)
-                batch = to_device(trainer, host_batch)
-                args, targets = trainer.layout.split(trainer._on_device(batch))
-                check_class_targets(loss_fn, trainer.layout.split(host_batch)[1])
-                with trainer.precision.autocast():
-                    outputs = model(*args)
-                    check_class_outputs(loss_fn, outputs, trainer.layout.split(host_batch)[1])
-                    with warnings.catch_warnings(record=True) as caught:
-                        warnings.simplefilter("always")
-                        result = loss_fn(outputs, targets)
-                refuse_broadcast_loss(caught, loss_fn)
-                _, terms = loss_terms(result)
-                if role == "training":
-                    trainer._term_names = list(terms)
-                if role == "validation" or trainer._eval_loss is None:
-                    trainer._eval_loss = EvalLoss.choose(loss_fn, as_float(outputs), targets)
-                if role == "validation":
-                    check_task(trainer.task, outputs, targets, trainer.config.top_k)
-    except ValueError as exc:
-        raise ValueError(f"a dry run on one {role} batch, before training: {exc}") from None
-    except Exception as exc:  # the user's model or loss failed: keep its own error, say where
-        if hasattr(exc, "add_note"):
-            exc.add_note(
-                f"xlatrain: raised in a dry run on one {role} batch, before training: loss_fn "
-                f"{loss_fn!r}, model {type(trainer.strategy.unwrap(model)).__name__}, batch {shapes(batch)}"
-            )
-        raise
+        profile, flops, flops_source, tokens = _training_batch(trainer, train_data)
+        if val_data is not None:
+            _validation_batch(trainer, val_data)
     finally:
+        rt.set_rng_state(rng)
         set_host_rng_state(host_rng)
-        model.train(was_training)
-    if train_data is not None:
-        check_monitor(trainer, val_data)
+    check_monitor(trainer, val_data)
+    return plan(trainer, train_data, profile, flops, flops_source, tokens)
 
 
-def plan(trainer: Trainer, train_data: Any) -> tuple[perf.MemoryPlan, perf.Throughput]:
-    """Measure what one training step needs of a device and what it computes, before the first
-    step (:mod:`xlatrain.train.perf`); refuse a run that cannot fit, naming what would."""
-    cfg, rt, st = trainer.config, trainer.runtime, trainer.strategy
+def dry_run(trainer: Trainer, train_data: Any | None, val_data: Any | None) -> None:
+    """``evaluate`` before any fit: one batch of ``val_data`` through evaluation's path."""
+    assert train_data is None
+    rt = trainer.runtime
+    rng, host_rng = rt.rng_state(), host_rng_state()
+    try:
+        _validation_batch(trainer, val_data)
+    finally:
+        rt.set_rng_state(rng)
+        set_host_rng_state(host_rng)
+
+
+def _training_batch(trainer: Trainer, train_data: Any) -> tuple[perf.StepProfile, float | None, str, int | None]:
+    rt, st, io = trainer.runtime, trainer.strategy, trainer.io
     module = st.unwrap(trainer.model)  # DDP's inner module: no gradient reduction is set up
     samples = min(len(train_data), perf.PROFILE_SAMPLES)
     flops, flops_source, tokens = perf.model_flops(module)
+    checked: list[bool] = []
+    batch: Any = None
 
-    def loss_of(precision: Precision) -> Callable[[int], torch.Tensor]:
+    def loss_of(precision: Precision, check: bool) -> Callable[[int], torch.Tensor]:
         def run(n: int) -> torch.Tensor:
+            nonlocal batch
             host = first_batch(train_data, rows=n, collate_fn=trainer._collate)
-            args, targets = trainer.layout.split(trainer._on_device(to_device(trainer, host)))
+            batch = trainer._on_device(to_device(trainer, host), training=True)
+            targets = io.targets_of(batch)
+            first = check and not checked  # the first (smaller) batch the measurement runs
+            if first:
+                note = io.check_keys(batch)
+                if note:
+                    trainer._say(note)
+                if not io.own_loss:
+                    check_class_targets(trainer.loss_fn, io.targets_of(host))
             with precision.autocast():
-                return loss_terms(trainer.loss_fn(module(*args), targets))[0]
+                outputs = io.call(module, batch)
+                if first and not io.own_loss:
+                    check_class_outputs(trainer.loss_fn, io.field(outputs), io.targets_of(host))
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    loss, terms = io.loss(outputs, targets)
+            if first:
+                refuse_broadcast_loss(caught, trainer.loss_fn)
+                if not loss.requires_grad:
+                    raise ValueError(no_grad_message(trainer.loss_fn))
+                trainer._term_names = list(terms)
+                if trainer.task == "auto":
+                    trainer.task = task_from_shapes(io.predictions(outputs), targets)
+                checked.append(True)
+            return loss
         return run
 
-    # Random draws of the measured step (dropout, augmentations; host and device) are undone.
-    rng = rt.rng_state()
     try:
-        profile = perf.profile_step(module, st.unit_modules, rt.device.type, loss_of(trainer.precision), samples,
+        profile = perf.profile_step(module, st.unit_modules, rt.device.type, loss_of(trainer.precision, True), samples,
                                     count=flops is None)
-    except Exception as exc:  # the user's model or loss failed with gradients on: say where
+    except ValueError as exc:
+        raise ValueError(f"a dry run on one training batch, before training: {exc}") from None
+    except Exception as exc:  # the user's model or loss failed: keep its own error, say where
         if hasattr(exc, "add_note"):
             exc.add_note(
-                f"xlatrain: raised while measuring one training step before training (forward pass with "
-                f"gradients{'' if flops else ' and backward pass'} on {samples} sample(s), model "
-                f"{type(module).__name__}, loss_fn {trainer.loss_fn!r})"
+                f"xlatrain: raised in a dry run on one training batch, before training: {_who(trainer)}, batch "
+                f"{shapes(batch)} (a forward pass in train mode with gradients{'' if flops else ' and its backward'}, "
+                "as the step runs it)"
             )
         raise
-    finally:
-        rt.set_rng_state(rng)
     if flops is None:
         flops = profile.flops_per_sample
         flops_source = "torch's FLOP counter, one forward and backward pass" if flops else \
             "torch's FLOP counter found no matmul or convolution in the step"
+    trainer._loss_of = loss_of  # the memory plan's bf16 measurement reuses it
+    return profile, flops, flops_source, tokens
+
+
+def _validation_batch(trainer: Trainer, val_data: Any) -> None:
+    """One validation batch: the eval loss chosen from its outputs, the task's metrics checked,
+    then the first rows of the set through ``evaluate``'s own path (padding, gathers, the loss and
+    metrics' reduction), so what would fail after an epoch fails now."""
+    io, model = trainer.io, trainer.model
+    was_training = model.training
+    batch = None
+    try:
+        model.eval()
+        with torch.no_grad():
+            host = first_batch(val_data, collate_fn=trainer._eval_collate)
+            batch = trainer._on_device(to_device(trainer, host), training=False)
+            io.check_keys(batch)
+            targets = io.targets_of(batch)
+            with trainer.precision.autocast():
+                outputs = io.call(model, batch)
+            predictions = io.predictions(outputs)
+            trainer._eval_loss = _eval_loss(trainer, outputs, predictions, targets)
+            if trainer.task == "auto":
+                trainer.task = task_from_shapes(predictions, targets)
+            if trainer.task != "none" or trainer.config.top_k:
+                check_task(trainer.task, as_float(predictions), targets, trainer.config.top_k,
+                           task_given=trainer.config.task != "auto")
+        if not isinstance(val_data, BatchSource):
+            # metrics_fn is not called on these rows (two rows may not be enough for it, and a
+            # streaming metric would keep them); its rows are gathered as they will be.
+            metrics_fn = None if trainer.metrics_fn is None or is_streaming(trainer.metrics_fn) else _no_metrics
+            trainer._evaluate(_Head(val_data, 2), metrics_fn, forward=model)
+    except ValueError as exc:
+        raise ValueError(f"a dry run on one validation batch, before training: {exc}") from None
+    except Exception as exc:
+        if hasattr(exc, "add_note"):
+            exc.add_note(f"xlatrain: raised in a dry run on one validation batch, before training: {_who(trainer)}, "
+                         f"batch {shapes(batch)} (eval mode, as evaluation runs it)")
+        raise
+    finally:
+        model.train(was_training)
+
+
+def _no_metrics(outputs: Any, targets: Any) -> dict[str, float]:
+    return {}
+
+
+def _eval_loss(trainer: Trainer, outputs: Any, predictions: Any, targets: Any) -> EvalLoss:
+    """How evaluation computes the loss: the validation loss function's per-sample form or over the
+    whole set; the model's own (per batch, weighted by real rows); or none, for a model whose
+    evaluation returns no loss (a detector's detections)."""
+    loss_fn = trainer.val_loss_fn or trainer.loss_fn
+    if loss_fn is not None:
+        scored = as_float(trainer.io.field(outputs)) if trainer.val_loss_fn is None else as_float(predictions)
+        return EvalLoss.choose(loss_fn, scored, targets)
+    try:
+        own_loss_terms(outputs)
+    except ValueError:
+        return EvalLoss(None, None)  # nothing to report: its metrics come from metrics_fn
+    return EvalLoss(None, None, own=own_loss_terms)
+
+
+def _who(trainer: Trainer) -> str:
+    loss = "the model's own loss" if trainer.io.own_loss else f"loss_fn {trainer.loss_fn!r}"
+    return f"{loss}, model {type(trainer.strategy.unwrap(trainer.model)).__name__}"
+
+
+class _Head:
+    """The first ``n`` items of a dataset."""
+
+    def __init__(self, data: Any, n: int) -> None:
+        self.data, self.n = data, min(n, len(data))
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> Any:
+        if index >= self.n:
+            raise IndexError(index)
+        return self.data[index]
+
+
+def plan(trainer: Trainer, train_data: Any, profile: perf.StepProfile, flops: float | None, flops_source: str,
+         tokens: int | None) -> tuple[perf.MemoryPlan, perf.Throughput]:
+    """What one training step needs of a device and what it computes, from the measured batch
+    (:mod:`xlatrain.train.perf`); refuse a run that cannot fit, naming what would."""
+    cfg, rt, st = trainer.config, trainer.runtime, trainer.strategy
+    module = st.unwrap(trainer.model)
+    samples = min(len(train_data), perf.PROFILE_SAMPLES)
     # The matmul dtype the precision runs at: fp16's yardstick is the device's float16 peak.
     compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision, torch.float32)
     peak = rt.peak_flops(compute)
@@ -154,8 +245,14 @@ def plan(trainer: Trainer, train_data: Any) -> tuple[perf.MemoryPlan, perf.Throu
         return memory, throughput
     bf16 = None
     if cfg.precision != "bf16":
-        bf16 = perf.profile_step(module, st.unit_modules, rt.device.type, loss_of(Precision("bf16", rt.autocast_device)),
-                                 samples, count=False).activations
+        rng, host_rng = rt.rng_state(), host_rng_state()
+        try:
+            bf16 = perf.profile_step(module, st.unit_modules, rt.device.type,
+                                     trainer._loss_of(Precision("bf16", rt.autocast_device), False), samples,
+                                     count=False).activations
+        finally:
+            rt.set_rng_state(rng)
+            set_host_rng_state(host_rng)
     units = st.unit_modules
     whole = weight_bytes(module)
     memory.fixes = perf.plan_fixes(
@@ -171,10 +268,21 @@ def check_monitor(trainer: Trainer, val_data: Any | None) -> None:
     """``monitor`` must name a column this run's history will have: known after the dry run
     (the loss's terms, the task's metrics), checked before the first step."""
     cfg = trainer.config
-    prefixes = ["train_"] + (["val_"] if val_data is not None else [])
-    columns = {f"{p}{t}" for p in prefixes for t in ("loss", *trainer._term_names)}
+    if cfg.monitor is None:  # the task's default, now that the dry run told the task
+        trainer.monitor, trainer.monitor_mode = default_monitor(trainer.task)
+        if val_data is None and trainer.monitor.startswith("val_"):
+            trainer.monitor, trainer.monitor_mode = "train_loss", "min"  # nothing validated to monitor
+        elif trainer.monitor == "val_loss" and trainer._eval_loss is not None and trainer._eval_loss.mode == "none":
+            trainer.monitor, trainer.monitor_mode = "train_loss", "min"
+            trainer._say("note: the model returns no loss in evaluation (eval mode), so there is no val_loss: the best "
+                         "weights follow train_loss. Set monitor (trainer.monitor) to a metric of metrics_fn's")
+    columns = {f"train_{t}" for t in ("loss", *trainer._term_names)}
+    if val_data is not None and (trainer._eval_loss is None or trainer._eval_loss.mode != "none"):
+        columns |= {f"val_{t}" for t in ("loss", *trainer._term_names)}
     if val_data is not None and trainer.task == "classification":
-        columns |= {"val_accuracy", *(f"val_top{k}_accuracy" for k in cfg.top_k)}
+        columns |= {"val_accuracy", *(f"val_top{k}_accuracy" for k in cfg.top_k if k > 1)}
+        if trainer.monitor in ("val_top1_accuracy", "val_ema_top1_accuracy"):  # top-1 is accuracy
+            trainer.monitor = trainer.monitor.replace("top1_accuracy", "accuracy")
     if val_data is not None and trainer.task == "multilabel":
         columns.add("val_mean_auc")
         columns |= {f"val_auc_{name}" for name in trainer.label_names or ()}

@@ -39,13 +39,14 @@ from xlatrain.progress import IntervalMeter, interactive_terminal
 from xlatrain.report import write_history
 from xlatrain.tensorboard import TensorBoardLog
 from xlatrain.train import perf, preflight, resumable
-from xlatrain.train.batch import BatchLayout, collate, tree_map
+from xlatrain.train.batch import collate, tree_map
 from xlatrain.train.callbacks import Callbacks
 from xlatrain.train.checks import check_arguments, check_dataset, check_pipeline_arguments, required_positional
 from xlatrain.train.ema import EMA_KEY, EMA_WEIGHTS, WeightAverage
 from xlatrain.train.feed import TrainFeed, eval_batches
-from xlatrain.train.losses import EvalLoss, loss_terms
+from xlatrain.train.losses import EvalLoss
 from xlatrain.train.metrics import EvalAccumulator, RowCollector, as_float, default_monitor, infer_task
+from xlatrain.train.model_io import ForwardSignature, ModelIO, no_grad_message
 from xlatrain.train.observers import DiagnosticsObserver, Observers, ProgressObserver, TensorBoardObserver, TraceObserver
 from xlatrain.train.preflight import DoesNotFitError
 from xlatrain.train.resumable import StopSignals
@@ -102,7 +103,11 @@ class Trainer:
 
     Args:
         model: the ``torch.nn.Module`` to train; moved to the device here.
-        loss_fn: ``loss_fn(outputs, targets)`` returning a scalar.
+        loss_fn: ``loss_fn(outputs, targets)`` returning a scalar (or a mapping of named terms with
+            the total under ``"loss"``); ``None`` trains on the model's own loss, as Hugging Face
+            models and torchvision detectors compute it: a mapping batch is passed by keyword,
+            ``model(**batch)``, and the loss taken from ``out.loss`` (see
+            :mod:`xlatrain.train.model_io`).
         optimizer_fn: builds the optimizer from the parameters *after* they are on the device,
             e.g. ``functools.partial(torch.optim.Adam, lr=1e-3)``; it receives a
             :class:`ModelParameters`, which iterates as the parameters and names them as the model
@@ -123,17 +128,27 @@ class Trainer:
         metrics_fn: ``metrics_fn(outputs, targets) -> {name: value}`` on the host, over the whole
             evaluation set in dataset order (outputs/targets as the model and dataset give them,
             stacked); its keys join the history as ``val_<name>``.
-        collate_fn: makes one training batch from a list of dataset items (mixup/cutmix soft
-            targets, say); the dry run and the memory plan use it too. Evaluation stacks items as
-            they are. Default: stack each field.
+        collate_fn: makes one batch from a list of dataset items (a padding collate, mixup/cutmix
+            soft targets); the dry run and the memory plan use it too. Default: stack each field.
+        eval_collate_fn: makes one evaluation (and prediction) batch; default ``collate_fn``.
+            Padding rows that fill the last batch are masked out of every metric.
+        inputs, targets: key names of the model's inputs and the loss targets in mapping or
+            dataclass batches; see :mod:`xlatrain.train.model_io` for how they are passed.
+        output_field: the field of the model's outputs that metrics, ``metrics_fn`` and
+            ``predict`` see (and, with a ``loss_fn``, that the loss gets), e.g. ``"logits"``.
+        val_loss_fn: the loss evaluation reports, where it differs from training's (timm trains
+            mixed-up soft targets with ``SoftTargetCrossEntropy`` and validates with
+            ``CrossEntropyLoss``); default ``loss_fn``.
         sampler: the training order, as a sampler over dataset indices shared by every process
             (split over them as the Trainer's own order), or a factory ``sampler(dataset,
             num_replicas=N, rank=r)`` building each process's own (``DistributedSampler``,
             repeated augmentation). See :class:`~xlatrain.data.sampling.UserSampler`.
         batch_transform: ``batch_transform(batch) -> batch`` on each batch once it is on the device
-            (training, evaluation, prediction, the dry run): normalisation or augmentation on the
-            accelerator, a memory format. It receives the batch as the dataset's items stack
-            (``(inputs, targets)`` by default); under XLA it is traced into the step.
+            (training, evaluation, prediction, the dry run): normalisation on the accelerator, a
+            memory format. It receives the batch as the dataset's items stack (``(inputs,
+            targets)`` by default); under XLA it is traced into the step.
+        train_batch_transform: the same on training batches only, after ``batch_transform``:
+            random augmentation that must not touch evaluation (timm's ``Mixup``).
         callbacks: objects with any of ``on_fit_start``, ``on_interval``, ``on_epoch_end``,
             ``on_checkpoint``, ``on_fit_end``; see :mod:`xlatrain.train.callbacks`.
         run_config: the resolved config of a config-driven run (``xlatrain fit``: sections
@@ -158,7 +173,7 @@ class Trainer:
     def __init__(
         self,
         model: torch.nn.Module,
-        loss_fn: Callable[[Any, Any], torch.Tensor],
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None,
         optimizer_fn: OptimizerFactory,
         *,
         scheduler_fn: SchedulerFactory | None = None,
@@ -178,18 +193,25 @@ class Trainer:
         sampler: Any = None,
         callbacks: Sequence[Any] | None = None,
         batch_transform: Callable[[Any], Any] | None = None,
+        train_batch_transform: Callable[[Any], Any] | None = None,
+        eval_collate_fn: Callable[[list[Any]], Any] | None = None,
+        output_field: str | None = None,
+        val_loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     ) -> None:
         ensure_console()  # messages from here on (scale_lr, resume) reach a console
-        check_arguments(model, loss_fn, optimizer_fn, scheduler_fn, config, checkpoint, metrics_fn)
-        check_pipeline_arguments(collate_fn, sampler, batch_transform)
+        check_arguments(model, loss_fn, optimizer_fn, scheduler_fn, config, checkpoint, metrics_fn, val_loss_fn)
+        check_pipeline_arguments(collate_fn, sampler, batch_transform, train_batch_transform, eval_collate_fn)
         self._collate = collate_fn or collate
+        self._eval_collate = eval_collate_fn or self._collate
         self._batch_transform = batch_transform
+        self._train_batch_transform = train_batch_transform
         self._sampler = sampler
         self._callbacks = Callbacks(callbacks)
         self._stop_reason: str | None = None
         self.config = cfg = config or TrainConfig()
         self.checkpoint = checkpoint or CheckpointConfig()
-        self.layout = BatchLayout(inputs, targets)
+        self.io = ModelIO(loss_fn, inputs=inputs, targets=targets, output_field=output_field,
+                          signature=ForwardSignature.of(model))
         if accelerator is not None or devices is not None or strategy is not None:
             if not (isinstance(backend, str) and backend == "auto"):
                 raise ValueError(
@@ -217,12 +239,16 @@ class Trainer:
             )
         # float16's gradient scaler (torch.amp.GradScaler), whose state is saved in checkpoints.
         self.grad_scaler = torch.amp.GradScaler(rt.device.type) if cfg.precision == "fp16" else None
-        self.task = infer_task(loss_fn) if cfg.task == "auto" else cfg.task
+        # Under the model's own loss the task is told by the dry run's outputs and targets.
+        scoring = val_loss_fn or loss_fn
+        # Under the model's own loss the task is told by the dry run's outputs and targets.
+        self.task = cfg.task if cfg.task != "auto" else infer_task(scoring) if scoring is not None else "auto"
         monitor, mode = default_monitor(self.task)
         self.monitor = cfg.monitor or monitor
         # TrainConfig refuses a monitor whose direction is neither given nor known from its name.
         self.monitor_mode = cfg.monitor_mode or (mode if cfg.monitor is None else monitor_mode_for(self.monitor))
         self.loss_fn = loss_fn
+        self.val_loss_fn = val_loss_fn
         self.label_names = list(label_names) if label_names is not None else None
         self.metrics_fn = metrics_fn
         self._run_config = {k: v for k, v in (run_config or {}).items() if k not in ("trainer", "checkpoint")}
@@ -421,16 +447,13 @@ class Trainer:
             check_dataset("val_data", val_data)
         rt.seed_everything(cfg.seed)
         self._feed = feed = TrainFeed(cfg, rt, st, train_data, sampler=self._sampler, collate_fn=self._collate)
-        if val_data is None and self.monitor.startswith("val_") and cfg.monitor is None:
-            self.monitor, self.monitor_mode = "train_loss", "min"  # nothing validated to monitor
         self._config_record = {
             **self._run_config,
             "trainer": dataclasses.asdict(cfg),
             "checkpoint": dataclasses.asdict(self.checkpoint),
             "run": {"global_batch": self.global_batch_size * cfg.grad_accum_steps, "num_train_samples": len(train_data)},
         }
-        preflight.dry_run(self, train_data, val_data)
-        self.memory_plan, self.throughput = preflight.plan(self, train_data)
+        self.memory_plan, self.throughput = preflight.prepare(self, train_data, val_data)
         self._dir.clear_earlier_run()
         if self._scheduler_wants_run and self.scheduler is None:
             per_epoch = feed.steps_per_epoch // cfg.grad_accum_steps
@@ -565,42 +588,48 @@ class Trainer:
     # ----------------------------------------------------------------------------------------
     def evaluate(self, data: Any) -> dict[str, float]:
         """Loss and task metrics over ``data``, every sample counted exactly once."""
-        rt, st = self.runtime, self.strategy
         check_dataset("data", data)
         if self._eval_loss is None:
             preflight.dry_run(self, None, data)
-        assert self._eval_loss is not None
-        batches, layout = eval_batches(self.config, rt, st, data)
+        return self._evaluate(data, self.metrics_fn)
+
+    def _evaluate(self, data: Any, metrics_fn: Any, forward: Callable[..., Any] | None = None) -> dict[str, float]:
+        """``evaluate``'s pass over ``data``; the dry run gives the eager ``forward`` (nothing is
+        compiled before the first step)."""
+        rt, st = self.runtime, self.strategy
+        forward = forward or self._forward
+        batches, layout = eval_batches(self.config, rt, st, data, self._eval_collate)
         batches = self._observers.batches(batches, "eval", 0)
-        keep_rows = self.metrics_fn is not None or self.task == "multilabel" or self._eval_loss.per_sample is None
-        acc = EvalAccumulator(self.task, rt.device, self._eval_loss, RowCollector(rt, st, layout) if keep_rows else None,
-                              top_k=self.config.top_k)
+        acc = EvalAccumulator(self.task, rt, st, layout, self._eval_loss, self.io, top_k=self.config.top_k,
+                              metrics_fn=metrics_fn)
         self.model.eval()
         with torch.no_grad():
-            for batch, valid_B in batches:
-                args, targets = self.layout.split(self._on_device(batch))
+            for index, (batch, valid_B) in enumerate(batches):
+                batch, valid_B, real = acc.trim(index, batch, valid_B)  # the model's own loss: padding rows cut
+                batch = self._on_device(batch, training=False)
                 with self.precision.autocast():
-                    outputs = self._forward(*args)
-                outputs = as_float(outputs)
-                acc.update(outputs, targets, valid_B)
+                    outputs = self.io.call(forward, batch)
+                acc.update(outputs, self.io.targets_of(batch), valid_B, real)
                 rt.step_end()
-        return acc.compute(rt, st, self.label_names, self.metrics_fn)
+        return acc.compute(rt, st, self.label_names, metrics_fn)
 
     def predict(self, data: Any) -> Any:
         """Model outputs for every item of ``data``, in dataset order, on the host.
 
         Items may be ``(inputs, targets)`` pairs (targets are ignored), bare inputs, or mappings /
         dataclasses read through the Trainer's ``inputs=`` keys. Models returning several tensors
-        (a tuple or dict) get the same structure back, each stacked.
+        (a tuple or dict) get the same structure back, each stacked; ``output_field`` picks one
+        field of them (``logits`` by default under the model's own loss).
         """
         check_dataset("data", data)
-        batches, layout = eval_batches(self.config, self.runtime, self.strategy, data)
+        batches, layout = eval_batches(self.config, self.runtime, self.strategy, data, self._eval_collate)
         rows = RowCollector(self.runtime, self.strategy, layout)
         self.model.eval()
         with torch.no_grad():
             for item, _valid in batches:
+                args, kwargs = self.io.bind(self._on_device(item, training=False), with_targets=False)
                 with self.precision.autocast():
-                    rows.add(as_float(self._forward(*self.layout.model_args(self._on_device(item)))))
+                    rows.add(as_float(self.io.predictions(self._forward(*args, **kwargs))))
                 self.runtime.step_end()
         return rows.result()
 
@@ -620,26 +649,23 @@ class Trainer:
         """
         cfg, rt, st, model, opt = self.config, self.runtime, self.strategy, self.model, self.optimizer
         accum, guard = cfg.grad_accum_steps, cfg.nan_policy == "skip_step"
-        args, targets = self.layout.split(self._on_device(batch))
+        batch = self._on_device(batch, training=True)
+        targets = self.io.targets_of(batch)
         rt.step_begin(((cfg.seed * 1_000_003 + cursor.epoch) * 1_000_003 + step) % 2**62)
         with contextlib.nullcontext() if last_micro else st.no_sync(model), _in_step(self, cursor, step) as where:
             with self.precision.autocast():
-                outputs = self._forward(*args)
+                outputs = self.io.call(self._forward, batch)
                 where[0] = "loss"  # described only if it raises: a loss's repr can be long to build
-                loss, terms = loss_terms(self.loss_fn(outputs, targets))  # shapes only: no sync
+                loss, terms = self.io.loss(outputs, targets)  # shapes only: no sync
                 where[0] = "backward"
             if not loss.requires_grad:  # host metadata: no device read
-                raise ValueError(
-                    f"loss_fn {self.loss_fn!r} returned a loss that does not depend on the model's parameters (no "
-                    "grad_fn), so nothing can be trained: it was detached, turned into a number (.item(), float()) "
-                    "and back, or computed from the targets alone. Return the loss tensor computed from the outputs"
-                )
+                raise ValueError(no_grad_message(self.loss_fn))
             loss_to_step = loss / accum if accum > 1 else loss
             (self.grad_scaler.scale(loss_to_step) if self.grad_scaler is not None else loss_to_step).backward()
-        if list(terms) != self._term_names:
+        if set(terms) != set(self._term_names):  # the same names; their order may change
             raise ValueError(
-                f"loss_fn returned the terms {list(terms)} at epoch {cursor.epoch} step {step} but "
-                f"{self._term_names} before: return the same named terms at every step"
+                f"the loss's terms were {sorted(terms)} at epoch {cursor.epoch} step {step} but "
+                f"{sorted(self._term_names)} before: return the same named terms at every step"
             )
         loss = loss.detach().float()
         finite = torch.isfinite(loss)
@@ -673,12 +699,20 @@ class Trainer:
         rt.step_end()
         cursor.step = step
 
-    def _on_device(self, batch: Any) -> Any:
+    def _on_device(self, batch: Any, *, training: bool) -> Any:
         """A batch on the device as the model gets it: images in channels-last memory order
-        (``channels_last``), then the user's ``batch_transform``."""
+        (``channels_last``), then the user's ``batch_transform`` (and, for training,
+        ``train_batch_transform``). A transform that returns nothing is named as the culprit."""
         if self.config.channels_last:
             batch = tree_map(_channels_last, batch)
-        return self._batch_transform(batch) if self._batch_transform is not None else batch
+        for name, transform in (("batch_transform", self._batch_transform),
+                                ("train_batch_transform", self._train_batch_transform if training else None)):
+            if transform is not None:
+                batch = transform(batch)
+                if batch is None:
+                    raise ValueError(f"{name} {transform!r} returned None: it must return the batch it was given, "
+                                     "transformed (e.g. return inputs, targets)")
+        return batch
 
     def _new_sums(self) -> dict[str, torch.Tensor]:
         # Every running sum exists from the first step, the loss's terms included, so each step
