@@ -55,7 +55,7 @@ stress: $(VENV)/.installed $(VENV)/.site-hook
 	XLATRAIN_KILL_TRIALS=200 $(BIN)/python -m pytest -s -k kill_9 tests/train/test_resume.py
 
 demo: $(VENV)/.installed $(VENV)/.site-hook
-	$(BIN)/xlatrain demo --run-dir runs/demo
+	$(BIN)/xlatrain demo
 
 # The PE-detection recipe on generated RSNA-shaped data, compared with the prior baseline.
 pe-demo: $(VENV)/.installed $(VENV)/.site-hook
