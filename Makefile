@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 CURRENT_TOPS := torch==2.14.1 torchvision==0.29.2 '.[tpu,gcs,dev,bench,docs]'
 XLA_TOPS     := '.[xla,dev,bench]'
 
-.PHONY: venv venv-xla test test-current test-xla stress demo pe-demo bench lock clean
+.PHONY: venv venv-xla test test-current test-xla stress demo pe-demo bench docs lock clean
 
 venv: $(VENV)/.installed $(VENV)/.site-hook
 venv-xla: $(VENV_XLA)/.installed
@@ -60,6 +60,11 @@ demo: $(VENV)/.installed $(VENV)/.site-hook
 # The PE-detection recipe on generated RSNA-shaped data, compared with the prior baseline.
 pe-demo: $(VENV)/.installed $(VENV)/.site-hook
 	$(BIN)/python -m xlatrain.recipes.pe_detection.demo configs/pe_detection.yaml --set trainer.run_dir=runs/pe-demo
+
+# The documentation site (mkdocs.yml, pages in docs/) into build/site/: a broken link, an API
+# reference that does not resolve or a page left out of the navigation fails the build.
+docs: $(VENV)/.installed
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir build/site
 
 # Entries on the current torch run in .venv; the XLA ones start their workers in .venv-xla.
 bench: $(VENV)/.installed $(VENV)/.site-hook $(VENV_XLA)/.installed
