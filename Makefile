@@ -11,10 +11,10 @@ XBIN     := $(VENV_XLA)/bin
 PYTEST_ARGS ?=
 
 # What `make lock` resolves: the newest torch that has a torchvision release made for it.
-CURRENT_TOPS := torch==2.14.1 torchvision==0.29.2 '.[tpu,gcs,dev,bench]'
+CURRENT_TOPS := torch==2.14.1 torchvision==0.29.2 '.[tpu,gcs,dev,bench,docs]'
 XLA_TOPS     := '.[xla,dev,bench]'
 
-.PHONY: venv venv-xla test test-current test-xla stress demo pe-demo bench lock clean
+.PHONY: venv venv-xla test test-current test-xla stress demo pe-demo bench docs lock clean
 
 venv: $(VENV)/.installed $(VENV)/.site-hook
 venv-xla: $(VENV_XLA)/.installed
@@ -55,11 +55,16 @@ stress: $(VENV)/.installed $(VENV)/.site-hook
 	XLATRAIN_KILL_TRIALS=200 $(BIN)/python -m pytest -s -k kill_9 tests/train/test_resume.py
 
 demo: $(VENV)/.installed $(VENV)/.site-hook
-	$(BIN)/xlatrain demo --run-dir runs/demo
+	$(BIN)/xlatrain demo
 
 # The PE-detection recipe on generated RSNA-shaped data, compared with the prior baseline.
 pe-demo: $(VENV)/.installed $(VENV)/.site-hook
 	$(BIN)/python -m xlatrain.recipes.pe_detection.demo configs/pe_detection.yaml --set trainer.run_dir=runs/pe-demo
+
+# The documentation site (mkdocs.yml, pages in docs/) into build/site/: a broken link, an API
+# reference that does not resolve or a page left out of the navigation fails the build.
+docs: $(VENV)/.installed
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir build/site
 
 # Entries on the current torch run in .venv; the XLA ones start their workers in .venv-xla.
 bench: $(VENV)/.installed $(VENV)/.site-hook $(VENV_XLA)/.installed

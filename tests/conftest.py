@@ -83,7 +83,8 @@ def script_env(env: dict[str, str] | None = None) -> dict[str, str]:
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("PJRT_", "CPU_NUM_DEVICES", "XLA_"))}
     full_env.update(_SCRIPT_ENV)
     full_env.update(env or {})
-    full_env["PYTHONPATH"] = str(SCRIPTS)
+    # This checkout's xlatrain, whatever checkout the environment's editable install points at.
+    full_env["PYTHONPATH"] = os.pathsep.join([str(SCRIPTS), str(SCRIPTS.parents[1] / "src")])
     # XLA runs keep a persistent compilation cache; tests keep theirs out of the user's home.
     full_env.setdefault("XLATRAIN_CACHE_DIR", str(Path(tempfile.gettempdir()) / "xlatrain-test-cache"))
     return full_env

@@ -1,12 +1,17 @@
-"""Every shell and Python block of README.md and docs/*.md runs as written, or, where it needs
-a TPU, a GPU, the network or another machine, everything it names exists.
+"""Every shell and Python block of README.md and of every page under docs/ runs as written, or,
+where it needs a TPU, a GPU, the network or another machine, everything it names exists.
 
 Blocks run in a fresh directory per page (``configs/`` linked in), shell lines first in page
 order, then the page's Python blocks in order in one interpreter, as a reader pasting them would.
+Then every page's shell lines run once more, README first and the pages in the site's order
+(mkdocs.yml's nav), one after another in ONE directory, as a reader working through the pages in
+one checkout would: a command refused for what an earlier one left behind (a run directory
+holding another run) fails there. ``make demo`` runs its recipe (``xlatrain demo``); other Make
+targets are checked by name.
 Sizes are made tiny: ``xlatrain fit`` lines get a recipe's tiny-data overrides appended (later
-``--set`` wins), and a block may carry ``<!-- docs-test: tiny: OLD => NEW -->`` substitutions (one
-directive per marker line, the lines right above the block)
-(``{root}`` is the repository). A
+``--set`` wins), ``xlatrain demo`` trains two epochs, and a block may carry
+``<!-- docs-test: tiny: OLD => NEW -->`` substitutions (one directive per marker line, the lines
+right above the block) (``{root}`` is the repository). A
 block marked ``<!-- docs-test: skip: WHY -->`` is not run (the reason is reported); one marked
 ``<!-- docs-test: names -->`` is checked by name only; one marked ``<!-- docs-test: exits: 2 -->``
 must end with that status (a refusal the page shows). Commands are classified by what they need:
@@ -25,6 +30,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,7 +39,37 @@ import pytest
 from conftest import SCRIPTS, script_env
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+# Make targets whose recipe a reader's `make TARGET` runs here (with the tiny sizes); the others
+# (builds, the test suite, benchmarks) are checked by name.
+MAKE_RUNS = {"demo"}
+
+
+def page_id(page: Path) -> str:
+    return page.relative_to(ROOT).as_posix()
+
+
+def nav_pages() -> list[Path]:
+    """The site's pages in the order of mkdocs.yml's nav."""
+    import yaml
+
+    def entries(node: object) -> list[str]:
+        if isinstance(node, str):
+            return [node]
+        if isinstance(node, dict):
+            return [p for v in node.values() for p in entries(v)]
+        if isinstance(node, list):
+            return [p for v in node for p in entries(v)]
+        return []
+
+    nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text()).get("nav", [])
+    return [ROOT / "docs" / p for p in entries(nav) if p.endswith(".md")]
+
+
+def reading_order() -> list[Path]:
+    """README, then the site's pages in the order of its navigation, then any page it leaves out."""
+    ordered = nav_pages()
+    return [ROOT / "README.md", *ordered, *(p for p in PAGES[1:] if p not in ordered)]
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 MARK = re.compile(r"<!--\s*docs-test:\s*(.*?)\s*-->")
 XLA_PYTHON = ROOT / ".venv-xla" / "bin" / "python"
@@ -77,7 +113,7 @@ def blocks(page: Path) -> list[Block]:
     for m in FENCE.finditer(text):
         line = text[: m.start()].count("\n") + 1
         before = text[: m.start()].rstrip().splitlines()
-        block = Block(page.name, line, m.group(1), m.group(2))
+        block = Block(page_id(page), line, m.group(1), m.group(2))
         directives = []
         while before and MARK.fullmatch(before[-1].strip()):  # one directive per marker line
             directives.insert(0, MARK.fullmatch(before.pop().strip()).group(1).strip())
@@ -93,7 +129,7 @@ def blocks(page: Path) -> list[Block]:
                     old, new = directive[len("tiny:"):].split("=>")
                     block.tiny.append((old.strip(), new.strip()))
                 else:
-                    raise AssertionError(f"{page.name}:{line}: unknown docs-test directive {directive!r}")
+                    raise AssertionError(f"{page_id(page)}:{line}: unknown docs-test directive {directive!r}")
         found.append(block)
     return found
 
@@ -205,10 +241,30 @@ def check_names(command: str) -> str:
 
 # --- running a command ------------------------------------------------------------------------
 
+def reader_env(env: dict[str, str]) -> dict[str, str]:
+    """A reader's environment: none of the test scripts on the path, and this checkout's xlatrain
+    (its src/ first: an environment's editable install may point at another checkout)."""
+    full_env = script_env(env)
+    full_env["PYTHONPATH"] = str(ROOT / "src")
+    return full_env
+
+
+def make_recipe(target: str) -> list[str]:
+    """The commands ``make TARGET`` runs once the environments are built (their build steps left out)."""
+    built = [".venv/.installed", ".venv/.site-hook", ".venv-xla/.installed"]
+    proc = subprocess.run(["make", "-s", "-n", "-C", str(ROOT), *(f"-o{b}" for b in built), target],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, f"make -n {target}: {proc.stderr}"
+    return [line for line in proc.stdout.splitlines() if line.strip() and not line.startswith("make")]
+
+
 def run_command(command: str, cwd: Path, exits: int = 0) -> str:
     env, tokens = _split_env(shlex.split(command, comments=True))
     if tokens[0] == "source":
         return "skipped: activation"
+    if tokens[0] == "make" and len(tokens) == 2 and tokens[1] in MAKE_RUNS:
+        ran = [run_command(line, cwd, exits) for line in make_recipe(tokens[1])]
+        return f"ran its recipe ({'; '.join(ran)})"
     needs = _needs_hardware(env, command)
     if needs or Path(tokens[0]).name in ("make", "pip", "eval", "gcloud", "tensorboard"):
         return f"checked ({needs or Path(tokens[0]).name}): {check_names(command)}"
@@ -231,8 +287,7 @@ def run_command(command: str, cwd: Path, exits: int = 0) -> str:
             argv = [*argv, "--set", item]
     if argv and argv[0] == "demo":
         argv = [*argv, "--epochs", "2", "--min-accuracy", "0"]
-    full_env = script_env({**env, "XLATRAIN_CACHE_DIR": str(cwd / ".cache")})
-    full_env.pop("PYTHONPATH", None)
+    full_env = reader_env({**env, "XLATRAIN_CACHE_DIR": str(cwd / ".cache")})
     proc = subprocess.run([*launcher, *argv], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=600,
                           stdin=subprocess.DEVNULL)
     assert proc.returncode == exits, f"`{command}` exited {proc.returncode}:\n{proc.stdout[-2500:]}\n{proc.stderr[-2500:]}"
@@ -246,21 +301,34 @@ def _session_dir(tmp_path: Path) -> Path:
     return work
 
 
-@pytest.mark.parametrize("page", [p.name for p in PAGES])
-def test_every_block_of_the_page_runs_as_written_or_names_what_exists(page, tmp_path):
-    path = next(p for p in PAGES if p.name == page)
-    found = blocks(path)
-    work = _session_dir(tmp_path)
-    report = []
-    for block in found:
+def shell_steps(page: Path) -> list[tuple[Block, str | None]]:
+    """A page's shell blocks as a reader runs them: (block, command) in order; (block, None) for a
+    block that is skipped."""
+    steps: list[tuple[Block, str | None]] = []
+    for block in blocks(page):
         if block.lang not in ("bash", "sh"):
             continue
         if block.skip:
-            report.append(f"{page}:{block.line} skipped: {block.skip}")
+            steps.append((block, None))
             continue
-        for command in commands(block.prepared()):
-            outcome = check_names(command) if block.names_only else run_command(command, work, block.exits)
-            report.append(f"{page}:{block.line} `{command.strip()[:70]}`: {outcome}")
+        steps += [(block, command) for command in commands(block.prepared())]
+    return steps
+
+
+def run_step(block: Block, command: str | None, work: Path) -> str:
+    if command is None:
+        return f"{block.page}:{block.line} skipped: {block.skip}"
+    started = time.perf_counter()
+    outcome = check_names(command) if block.names_only else run_command(command, work, block.exits)
+    return f"{block.page}:{block.line} `{command.strip()[:70]}`: {outcome} ({time.perf_counter() - started:.1f} s)"
+
+
+@pytest.mark.parametrize("page", [page_id(p) for p in PAGES])
+def test_every_block_of_the_page_runs_as_written_or_names_what_exists(page, tmp_path):
+    path = ROOT / page
+    found = blocks(path)
+    work = _session_dir(tmp_path)
+    report = [run_step(block, command, work) for block, command in shell_steps(path)]
     python_blocks = [b for b in found if b.lang == "python"]
     session = []
     for block in python_blocks:
@@ -273,8 +341,7 @@ def test_every_block_of_the_page_runs_as_written_or_names_what_exists(page, tmp_
             session.append({"page": page, "line": block.line, "code": block.prepared()})
     if session:
         (tmp_path / "blocks.json").write_text(json.dumps(session))
-        env = script_env({"XLATRAIN_CACHE_DIR": str(work / ".cache")})
-        env.pop("PYTHONPATH", None)
+        env = reader_env({"XLATRAIN_CACHE_DIR": str(work / ".cache")})
         proc = subprocess.run([sys.executable, str(SCRIPTS / "doc_session.py"), str(tmp_path / "blocks.json")],
                               cwd=work, env=env, capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
         assert proc.returncode == 0, f"{page}: a Python block failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
@@ -282,9 +349,30 @@ def test_every_block_of_the_page_runs_as_written_or_names_what_exists(page, tmp_
     print("\n".join(report))
 
 
+def test_the_pages_shell_commands_run_one_after_another_in_one_directory(tmp_path):
+    """A reader works through README and the site's pages in one checkout: every command runs
+    where the ones before it ran, finding what they left (run directories, packed data)."""
+    work = _session_dir(tmp_path)
+    report = []
+    for page in reading_order():
+        for block, command in shell_steps(page):
+            report.append(run_step(block, command, work))
+    print("\n".join(report))
+
+
+def test_every_page_under_docs_is_in_the_sites_navigation_once():
+    nav = nav_pages()
+    assert len(nav) == len(set(nav)), f"a page is in mkdocs.yml's nav twice: {[page_id(p) for p in nav]}"
+    assert not [p for p in nav if not p.is_file()], "mkdocs.yml's nav names a page that does not exist"
+    missing = sorted(page_id(p) for p in set(PAGES[1:]) - set(nav))
+    assert not missing, f"pages under docs/ that mkdocs.yml's nav leaves out (add them to nav): {missing}"
+
+
 def test_every_marked_block_says_why_and_every_block_is_one_the_harness_knows():
+    assert any(page_id(p).count("/") > 1 for p in PAGES), "pages in docs/ subfolders are read too"
     for page in PAGES:
         for block in blocks(page):
-            assert block.lang in ("bash", "sh", "python", "", "yaml", "text"), f"{page.name}:{block.line}: {block.lang}"
+            where = f"{page_id(page)}:{block.line}"
+            assert block.lang in ("bash", "sh", "python", "", "yaml", "text"), f"{where}: {block.lang}"
             if block.skip is not None:
-                assert len(block.skip) > 10, f"{page.name}:{block.line}: say why the block is not run"
+                assert len(block.skip) > 10, f"{where}: say why the block is not run"

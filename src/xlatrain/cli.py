@@ -10,13 +10,26 @@ from pathlib import Path
 
 from xlatrain.config import ACCELERATORS
 
+DEMO_RUN_DIR = "runs/demo"
+
+
+def _first_process() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
 
 def _demo(args: argparse.Namespace) -> int:
     from xlatrain.recipes.digits import run_demo
+    from xlatrain.recipes.run import launch_note, launch_processes, run_dir_for_launch
 
-    last = run_demo(
-        run_dir=args.run_dir, epochs=args.epochs, accelerator=args.accelerator, devices=args.devices
-    )
+    run_dir = args.run_dir
+    if run_dir is None:  # the default directory is for the default devices; others get their own
+        processes = launch_processes()
+        run_dir = run_dir_for_launch(DEMO_RUN_DIR, accelerator=args.accelerator, devices=args.devices,
+                                     processes=processes)
+        if run_dir != DEMO_RUN_DIR and _first_process():
+            print(launch_note(run_dir, DEMO_RUN_DIR, accelerator=args.accelerator, devices=args.devices,
+                              processes=processes, how_to_name="--run-dir DIR"))
+    last = run_demo(run_dir=run_dir, epochs=args.epochs, accelerator=args.accelerator, devices=args.devices)
     return 0 if last["val_accuracy"] >= args.min_accuracy else 1
 
 
@@ -28,7 +41,11 @@ def _fit(args: argparse.Namespace) -> int:
     # TorchTPU fixes its compilation-cache settings when it first reads them: set them from the
     # config before torch is imported.
     torch_tpu_cache_env(config.backend.compile_cache)
-    from xlatrain.recipes.run import run
+    from xlatrain.recipes.run import run, with_launch_run_dir
+
+    config, note = with_launch_run_dir(config, args.config, args.set)
+    if note and _first_process():
+        print(note)
 
     resume: bool | str = False if args.fresh else ("overwrite" if args.overwrite else (args.resume or "auto"))
     trainer, history = run(config, resume=resume)
@@ -87,7 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train a small CNN on the bundled digits data")
-    demo.add_argument("--run-dir", default="runs/demo", help="output directory (default: runs/demo)")
+    demo.add_argument(
+        "--run-dir", default=None,
+        help=f"output directory (default: {DEMO_RUN_DIR} on the default devices; with --accelerator or --devices, "
+        f"or under torchrun, {DEMO_RUN_DIR}-ACCELERATOR[-DEVICES], e.g. {DEMO_RUN_DIR}-xla-4)",
+    )
     demo.add_argument("--epochs", type=int, default=12)
     demo.add_argument("--accelerator", default="auto", choices=ACCELERATORS)
     demo.add_argument("--devices", type=int, default=None)
@@ -100,7 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
         "fit",
         help="train a recipe from a YAML config",
         description="Train from CONFIG.yaml: sections recipe, data, model, optimizer, schedule, trainer, "
-        "backend, checkpoint (see configs/). The resolved config is written to RUN_DIR/config.yaml.",
+        "backend, checkpoint (see configs/). The resolved config is written to RUN_DIR/config.yaml. "
+        "RUN_DIR is the config's trainer.run_dir; where --set changes backend.accelerator or backend.devices, "
+        "or torchrun starts several processes, it is RUN_DIR-ACCELERATOR[-DEVICES] (e.g. runs/lm-xla-4), "
+        "unless --set trainer.run_dir names one.",
     )
     fit.add_argument("config", help="YAML file, e.g. configs/pe_detection.yaml")
     fit.add_argument(

@@ -374,12 +374,23 @@ class ModelConfig:
     """A model by name (see ``xlatrain.models.MODEL_NAMES``); ``pretrained`` is a local file path."""
 
     name: str = "small_cnn"
+    """A name of ``xlatrain.models.MODEL_NAMES`` (torchvision classifiers such as ``resnet18``,
+    ``resnet_unet``, ``small_cnn``), or ``byte_gpt`` in the ``lm`` recipe; a recipe may allow
+    fewer."""
     pretrained: bool | str = False
+    """The path of a local weights file to start from (nothing is downloaded; ``True`` is an
+    error saying so), or ``False``."""
     width: int | None = None  # for resnet_unet / small_cnn / byte_gpt (model width)
+    """The model's width, for ``resnet_unet``, ``small_cnn`` and ``byte_gpt``; an error for a
+    model that takes none. ``None``: the model's default."""
     blocks: list[int] | None = None  # residual blocks per stage, resnet_unet only
+    """Residual blocks per stage, e.g. ``[2, 2, 2, 2]``: ``resnet_unet`` only."""
     layers: int | None = None  # byte_gpt (the lm recipe) only: transformer blocks
+    """Transformer blocks: ``byte_gpt`` (the ``lm`` recipe) only."""
     heads: int | None = None  # byte_gpt only: attention heads
+    """Attention heads: ``byte_gpt`` only."""
     positions: str | None = None  # byte_gpt only: "rotary" or "learned"
+    """``rotary`` or ``learned`` position embeddings: ``byte_gpt`` only."""
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -400,10 +411,17 @@ class ModelConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
+    """The optimizer of a config-driven run (``optimizer:``), built once the model is on the device."""
+
     name: str = "adam"
+    """``adam``, ``adamw`` (weight decay on the matrices only: biases and norm weights do not
+    decay) or ``sgd``."""
     lr: float = 1e-3
+    """The learning rate, positive."""
     weight_decay: float = 0.0
+    """Weight decay, 0 or more."""
     momentum: float | None = None  # sgd only (default 0.9)
+    """``sgd`` only (``None``: 0.9); an error for the others."""
 
     def __post_init__(self) -> None:
         _choice("optimizer.name", self.name, OPTIMIZERS)
@@ -425,10 +443,17 @@ class ScheduleConfig:
     ``min_lr_ratio`` of the rate at the last step (stepped every optimizer step)."""
 
     name: str = "none"
+    """``none`` (a constant rate), ``step`` (StepLR), ``cosine`` (cosine annealing over all
+    epochs) or ``warmup_cosine`` (needs ``trainer.scheduler_interval: step``)."""
     step_size: int | None = None  # step only (default 1)
+    """``step`` only: epochs (or steps) between decays (``None``: 1)."""
     gamma: float | None = None  # step only (default 0.5)
+    """``step`` only: the factor of each decay (``None``: 0.5)."""
     warmup_steps: int | None = None  # warmup_cosine only (default 0)
+    """``warmup_cosine`` only: optimizer steps of linear warmup (``None``: 0)."""
     min_lr_ratio: float | None = None  # warmup_cosine only (default 0.1)
+    """``warmup_cosine`` only: the rate at the last step, as a fraction of the peak, 0 to 1
+    (``None``: 0.1)."""
 
     def __post_init__(self) -> None:
         _choice("schedule.name", self.name, SCHEDULES)
@@ -466,13 +491,22 @@ class RunConfig:
     """Everything one run needs; ``data`` is checked by the recipe's own data config."""
 
     recipe: str
+    """The recipe that builds model and data: ``digits``, ``depth_mask``, ``pe_detection`` or
+    ``lm``."""
     data: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The ``data:`` section, as written: the recipe's own data config checks its keys."""
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    """The ``model:`` section."""
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    """The ``optimizer:`` section."""
     schedule: ScheduleConfig = dataclasses.field(default_factory=ScheduleConfig)
+    """The ``schedule:`` section."""
     trainer: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    """The ``trainer:`` section."""
     backend: BackendConfig = dataclasses.field(default_factory=BackendConfig)
+    """The ``backend:`` section."""
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    """The ``checkpoint:`` section."""
 
 
 def _parse_value(text: str) -> Any:

@@ -9,14 +9,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from xlatrain.checkpoint import atomic_write_text
-from xlatrain.config import OptimizerConfig, RunConfig, ScheduleConfig, dump_yaml
+from xlatrain.config import OptimizerConfig, RunConfig, ScheduleConfig, dump_yaml, load_yaml
 from xlatrain.train.trainer import Trainer
 
 RECIPES = {
@@ -147,3 +149,73 @@ def run(config: RunConfig, resume: bool | str = "auto") -> tuple[Trainer, list[d
         atomic_write_text(trainer.run_dir / "config.yaml", dump_yaml(config))
         trainer.publish("config.yaml")
     return trainer, history
+
+
+# --- where a command that trains writes, when its user names no directory ---------------------
+
+def launch_processes() -> int:
+    """The processes this launch runs as: torchrun's ``WORLD_SIZE``, else 1."""
+    try:
+        return max(int(os.environ.get("WORLD_SIZE", "1")), 1)
+    except ValueError:
+        return 1
+
+
+def run_dir_for_launch(
+    run_dir: str, *, accelerator: str, devices: int | None, processes: int = 1,
+    default: tuple[str, int | None] = ("auto", None),
+) -> str:
+    """The run directory of a command that trains, for the devices it asks for.
+
+    A recipe's directory (the demo's ``runs/demo``, a config's ``trainer.run_dir``) holds the
+    run on its default devices: ``default`` (accelerator, devices), in one process. A command
+    that asks for another accelerator or device count, or runs as several processes (torchrun),
+    trains with another global batch, which could not resume that run: it gets a directory of its
+    own beside it, ``RUN_DIR-ACCELERATOR[-COUNT]`` (COUNT: ``devices``, else the processes), and
+    finds it again when run again.
+
+    Example:
+        >>> run_dir_for_launch("runs/demo", accelerator="xla", devices=4)
+        'runs/demo-xla-4'
+        >>> run_dir_for_launch("runs/digits", accelerator="auto", devices=None, processes=2)
+        'runs/digits-auto-2'
+        >>> run_dir_for_launch("runs/demo", accelerator="auto", devices=None)
+        'runs/demo'
+    """
+    if (accelerator, devices) == default and processes <= 1:
+        return run_dir
+    count = devices if devices is not None else (processes if processes > 1 else None)
+    return f"{run_dir.rstrip('/')}-{accelerator}" + (f"-{count}" if count is not None else "")
+
+
+def launch_note(chosen: str, default_dir: str, *, accelerator: str, devices: int | None, processes: int,
+                how_to_name: str) -> str:
+    """One line saying why a command writes to ``chosen`` and not to ``default_dir``."""
+    asked = [f"accelerator={accelerator}"] + ([f"devices={devices}"] if devices is not None else [])
+    asked += [f"{processes} processes"] if processes > 1 else []
+    return (f"xlatrain: run dir {chosen}: this command asks for {', '.join(asked)}, and {default_dir} is for "
+            f"the default devices (a run with another global batch could not resume there); {how_to_name} "
+            "names another")
+
+
+def with_launch_run_dir(config: RunConfig, config_path: str, overrides: Sequence[str]) -> tuple[RunConfig, str | None]:
+    """``xlatrain fit``'s config with its run directory for the launch (:func:`run_dir_for_launch`).
+
+    The config file's ``trainer.run_dir`` is for the backend the file writes; a command line that
+    sets another ``backend.accelerator`` or ``backend.devices``, or a torchrun launch of several
+    processes, moves the run beside it. A ``--set trainer.run_dir=...`` is used as it is. Returns
+    the config and the line to print where the directory moved (``None`` where it did not).
+    """
+    if any(item.partition("=")[0].strip() == "trainer.run_dir" for item in overrides):
+        return config, None
+    written = load_yaml(Path(config_path).read_text(), source=config_path).get("backend") or {}
+    default = (written.get("accelerator", "auto"), written.get("devices"))
+    backend, processes = config.backend, launch_processes()
+    chosen = run_dir_for_launch(config.trainer.run_dir, accelerator=backend.accelerator, devices=backend.devices,
+                                processes=processes, default=default)
+    if chosen == config.trainer.run_dir:
+        return config, None
+    note = launch_note(chosen, config.trainer.run_dir, accelerator=backend.accelerator, devices=backend.devices,
+                       processes=processes, how_to_name="--set trainer.run_dir=DIR")
+    trainer = dataclasses.replace(config.trainer, run_dir=chosen)
+    return dataclasses.replace(config, trainer=trainer), note

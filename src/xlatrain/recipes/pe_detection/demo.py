@@ -6,11 +6,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from xlatrain.config import load_run_config
 from xlatrain.recipes.pe_detection.recipe import baseline
-from xlatrain.recipes.run import run
+from xlatrain.recipes.run import run, with_launch_run_dir
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,7 +19,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("config", nargs="?", default="configs/pe_detection.yaml")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     args = parser.parse_args(argv)
-    config = load_run_config(args.config, args.set)
+    config, note = with_launch_run_dir(load_run_config(args.config, args.set), args.config, args.set)
+    if note and os.environ.get("RANK", "0") == "0":
+        print(note)
     trainer, history = run(config)
     if not trainer.backend.is_main:
         return 0
