@@ -11,7 +11,7 @@ XBIN     := $(VENV_XLA)/bin
 PYTEST_ARGS ?=
 
 # What `make lock` resolves: the newest torch that has a torchvision release made for it.
-CURRENT_TOPS := torch==2.14.1 torchvision==0.29.2 '.[tpu,gcs,dev,bench,docs]'
+CURRENT_TOPS := torch==2.14.1 torchvision==0.29.2 '.[tpu,gcs,dev,bench,docs,models]'
 XLA_TOPS     := '.[xla,dev,bench]'
 
 .PHONY: venv venv-xla test test-current test-xla stress demo pe-demo bench docs lock clean

@@ -405,3 +405,19 @@ def test_gpt2_under_torch_compile_reports_the_shapes_it_compiled(tmp_path):
     shapes = [e["guard_failed"] for e in events if e["guard_failed"] and "size mismatch at index 1" in e["guard_failed"]]
     assert any("expected 16, actual 8" in g or "expected 8, actual 16" in g for g in shapes), events
     assert any("2 distinct in train" in note for note in report["notes"]), report["notes"]
+
+
+def test_a_torchmetrics_metric_is_fed_each_batch_real_rows_and_computed_once(tmp_path):
+    torchmetrics = pytest.importorskip("torchmetrics")
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(60, 6, generator=g), torch.randint(0, 3, (60,), generator=g)
+    train, val = torch.utils.data.TensorDataset(x[:40], y[:40]), torch.utils.data.TensorDataset(x[40:], y[40:])
+    metric = torchmetrics.classification.MulticlassF1Score(num_classes=3, average="macro")
+    torch.manual_seed(0)
+    model = nn.Linear(6, 3)
+    history = _trainer(model, nn.CrossEntropyLoss(), tmp_path, epochs=1, batch_size=8, metrics_fn=metric).fit(train, val)
+    # 20 validation rows in batches of 8: the last batch's 4 padding rows never reach the metric.
+    model.eval()
+    with torch.no_grad():
+        expected = torchmetrics.functional.classification.multiclass_f1_score(model(x[40:]), y[40:], 3, average="macro")
+    assert history[0]["val_multiclass_f1_score"] == pytest.approx(float(expected), rel=1e-6)
