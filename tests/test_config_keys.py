@@ -156,7 +156,7 @@ def test_every_key_has_a_check():
 
 PE_BASE = (
     "data.num_studies=6", "data.slices_per_study=[4,5]", "data.stored_size=48", "data.image_size=32",
-    "data.num_folds=3", "data.workers=1", "trainer.num_workers=0",
+    "data.num_folds=3", "data.pack_workers=1", "trainer.num_workers=0",
 )
 BASE = {"digits": (), "depth_mask": ("data.num_train=8", "data.num_val=4", "data.image_size=32", "model.width=8",
                                      "model.blocks=[1,1,1,1]"), "pe_detection": PE_BASE,
@@ -330,9 +330,9 @@ def test_pe_synthetic_false_needs_real_data(tmp_path):
 
 
 def test_pe_workers_change_speed_not_data(tmp_path):
-    """``data.workers`` is how many processes generate and pack: the files are the same either way."""
-    _built("pe_detection", tmp_path / "one", "data.workers=1")
-    _built("pe_detection", tmp_path / "two", "data.workers=2")
+    """``data.pack_workers`` is how many processes generate and pack: the files are the same either way."""
+    _built("pe_detection", tmp_path / "one", "data.pack_workers=1")
+    _built("pe_detection", tmp_path / "two", "data.pack_workers=2")
     for name in ("train.csv", "shards/manifest.json"):
         assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes()
 

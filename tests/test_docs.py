@@ -79,7 +79,7 @@ TINY = {
     "configs/digits.yaml": ["trainer.epochs=1", "data.image_size=16"],
     "configs/pe_detection.yaml": ["trainer.epochs=1", "trainer.batch_size=4", "data.num_studies=6",
                                   "data.slices_per_study=[4,5]", "data.stored_size=48", "data.image_size=32",
-                                  "data.num_folds=3", "data.workers=1", "trainer.num_workers=0"],
+                                  "data.num_folds=3", "data.pack_workers=1", "trainer.num_workers=0"],
     "configs/depth_mask.yaml": ["trainer.epochs=1", "trainer.batch_size=4", "data.num_train=8", "data.num_val=4",
                                 "data.image_size=32", "model.width=8", "model.blocks=[1,1,1,1]"],
     "configs/lm.yaml": ["trainer.epochs=1", "trainer.batch_size=8", "data.max_train_bytes=20000",

@@ -157,7 +157,12 @@ class TrainConfig:
         clip_grad_norm: clip the global gradient norm to this value; ``None`` disables clipping.
         log_every: steps between progress lines; the only per-step-interval host reads.
         seed: seeds model init order, sampling and shuffling; each epoch reshuffles from it.
-        num_workers: DataLoader worker processes per replica.
+        num_workers: processes that fetch and decode batches beside each training process (the
+            DataLoader's workers, or the shard reader's). ``"auto"``: the CPUs this process may use
+            (``os.sched_getaffinity``), shared among the training processes on the host
+            (``LOCAL_WORLD_SIZE``), less one for the training process itself, and at most the
+            batches of an epoch; none for data already in memory (a ``TensorDataset``, a list). The
+            run's header says what was chosen and why; a number is used as given.
         task: ``classification`` (accuracy), ``multilabel`` (per-label AUC), ``none`` (loss only)
             or ``auto`` (from the loss: CrossEntropyLoss / BCEWithLogitsLoss).
         top_k: classification: also report ``val_top{k}_accuracy`` for each ``k`` (``(5,)``: top-5),
@@ -169,8 +174,10 @@ class TrainConfig:
             after each epoch; monitoring a ``val_ema_`` column makes ``best.safetensors`` the EMA's.
         ema_every: optimizer steps between EMA updates.
         channels_last: the model's weights and every 4-D floating batch tensor (images) in
-            channels-last memory order, which convolutions run faster in on GPUs with tensor cores
-            (and in bf16/fp16 on CPUs with oneDNN).
+            channels-last memory order, which convolutions run faster in on GPUs with tensor cores.
+            ``"auto"``: on for a model with 2-D convolutions on CUDA under bf16/fp16 autocast (1.7x
+            for a ResNet-34 on an H100), off elsewhere (TPU runtimes choose their own layouts; on
+            this project's CPU it measured slower); the header says which.
         monitor: history column that selects the best weights (default from the task).
         monitor_mode: ``max`` or ``min``; may be left out only for a name ending in ``_loss``
             (min), ``_accuracy`` or ``_auc`` (max).
@@ -205,12 +212,12 @@ class TrainConfig:
     clip_grad_norm: float | None = None
     log_every: int = 50
     seed: int = 0
-    num_workers: int = 0
+    num_workers: int | str = "auto"
     task: str = "auto"
     top_k: tuple[int, ...] = ()
     ema_decay: float | None = None
     ema_every: int = 1
-    channels_last: bool = False
+    channels_last: bool | str = "auto"
     monitor: str | None = None
     monitor_mode: str | None = None
     scheduler_interval: str = "epoch"
@@ -239,7 +246,13 @@ class TrainConfig:
                 "or None to disable clipping"
             )
         _positive_int("log_every", self.log_every)
-        _positive_int("num_workers", self.num_workers, minimum=0)
+        if self.num_workers != "auto":
+            if isinstance(self.num_workers, str):
+                raise ValueError(f"num_workers={self.num_workers!r} is not valid: use 'auto' or a number of processes "
+                                 "(0 fetches batches in the training process)")
+            _positive_int("num_workers", self.num_workers, minimum=0)
+        if self.channels_last not in (True, False, "auto"):
+            raise ValueError(f"channels_last={self.channels_last!r} is not valid: use 'auto', True or False")
         _choice("task", self.task, TASKS)
         top_k = (self.top_k,) if isinstance(self.top_k, int) else self.top_k
         if not isinstance(top_k, (tuple, list)) or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in top_k):
@@ -324,6 +337,10 @@ def from_dict(cls: type[C], values: dict[str, Any], section: str | None = None) 
         raise ValueError(f"{section or cls.__name__} must be a mapping of keys to values, got {values!r}")
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = sorted(set(values) - set(fields))
+    renamed = getattr(cls, "RENAMED", {})  # old key -> its new name and what it means
+    for key in unknown:
+        if key in renamed:
+            raise ValueError(f"{where}{key} was renamed {where}{renamed[key]}: use that key")
     if unknown:
         raise ValueError(
             f"unknown {cls.__name__} key(s) {', '.join(where + k for k in unknown)}: valid keys are "

@@ -280,7 +280,7 @@ def test_the_pe_recipe_packs_to_and_trains_from_object_storage_from_the_command_
     url = f"gs://{BUCKET}/pe-shards"
     args = [sys.executable, "-m", "xlatrain.cli", "fit", str(configs / "pe_detection.yaml")]
     for item in ["data.num_studies=6", "data.slices_per_study=[4,5]", "data.stored_size=48", "data.image_size=32",
-                 "data.num_folds=2", "data.workers=1", "model.name=small_cnn", "model.width=8", "trainer.batch_size=8",
+                 "data.num_folds=2", "data.pack_workers=1", "model.name=small_cnn", "model.width=8", "trainer.batch_size=8",
                  "trainer.epochs=1", "backend.accelerator=cpu", f"trainer.run_dir={url}-run",
                  f"data.root={tmp_path / 'data'}", f"data.shards={url}", f"data.cache_dir={tmp_path / 'cache'}"]:
         args += ["--set", item]

@@ -15,7 +15,7 @@ CONFIGS = Path(__file__).parents[2] / "configs"
 
 TINY_PE = [
     "data.num_studies=10", "data.slices_per_study=[6,8]", "data.stored_size=64", "data.image_size=32",
-    "data.num_folds=2", "data.workers=1", "model.name=small_cnn", "model.width=8", "trainer.batch_size=8",
+    "data.num_folds=2", "data.pack_workers=1", "model.name=small_cnn", "model.width=8", "trainer.batch_size=8",
     "trainer.epochs=2", "trainer.log_every=1000",
 ]
 TINY_DM = [

@@ -336,3 +336,19 @@ def host_memory_available() -> int | None:
     except OSError:
         return None
     return None
+
+
+def cpu_share(environ: Mapping[str, str] | None = None) -> tuple[int, int]:
+    """(CPUs this process may run on, training processes on this host): the CPUs from the
+    process's affinity mask (a container's or a scheduler's limit included), the processes from
+    ``LOCAL_WORLD_SIZE`` (torchrun, TorchTPU's launcher), one where it is unset."""
+    environ = os.environ if environ is None else environ
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        cpus = os.cpu_count() or 1
+    try:
+        local = max(int(environ.get("LOCAL_WORLD_SIZE", "1") or 1), 1)
+    except ValueError:
+        local = 1
+    return cpus, local

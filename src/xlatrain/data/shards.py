@@ -49,6 +49,7 @@ from xlatrain.data import webdataset
 from xlatrain.data.index import RecordIndex, ShardError
 from xlatrain.data.decode import as_size, dct_request, decode, rotate, to_tensor
 from xlatrain.data.sampling import EvalSampler
+from xlatrain.data.workers import auto_workers
 from xlatrain.data.source import train_steps_per_epoch
 from xlatrain.logs import get_logger
 
@@ -383,6 +384,8 @@ class ShardOptions:
         num_workers: worker processes that decode batches (0 decodes in this one, when the
             batches are asked for). Workers decode straight into batch buffers in shared memory
             and send back only which buffer; the Trainer's ``num_workers`` is the usual value.
+            ``"auto"``: the CPUs this process may use, shared by the training processes on the
+            host, less one (:func:`xlatrain.data.workers.auto_workers`).
         prefetch_batches: batches each worker decodes ahead.
         pin_memory: hand out page-locked batches, so that copies to a CUDA device run
             asynchronously (pass ``True`` when training on CUDA; a no-op without CUDA).
@@ -411,7 +414,7 @@ class ShardOptions:
     augment: Augment | None = None
     shuffle: bool = True
     shuffle_window: int | None = 16384
-    num_workers: int = 0
+    num_workers: int | str = "auto"
     prefetch_batches: int = 2
     pin_memory: bool = False
     on_error: str = "raise"
@@ -436,6 +439,8 @@ class ShardOptions:
             raise ValueError(f"shuffle_window={self.shuffle_window!r} is not valid: use a record count >= 1, or None")
         for name, minimum in (("num_workers", 0), ("prefetch_batches", 1), ("remote_requests", 1), ("cache_bytes", 1)):
             value = getattr(self, name)
+            if name == "num_workers" and value == "auto":
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"{name}={value!r} is not valid: it must be an integer >= {minimum}")
         if self.on_error not in _ON_ERROR:
@@ -1349,16 +1354,24 @@ class ShardDataset:
             targets = torch.from_numpy(targets)
             yield (images, targets) if training else ((images, targets), torch.from_numpy(valid))
 
+    def decode_workers(self, batches: int | None = None) -> tuple[int, str]:
+        """The worker processes a pass of ``batches`` batches decodes with, and why (workers
+        already started for a longer pass serve a shorter one)."""
+        if self.options.num_workers != "auto":
+            return int(self.options.num_workers), "as configured"
+        return auto_workers(batches if batches is not None else max(len(self) // 2, 1))
+
     def _source(self, tasks: list[_Task]) -> Iterator[Any]:
         opts = self.options
-        if opts.num_workers == 0:
+        num_workers = self.decode_workers(len(tasks))[0]
+        if num_workers == 0:
             return _read_ahead(self._reader, tasks, opts.prefetch_batches)
         slot_bytes = math.prod(self._reader.batch_shape(max(len(t.positions) for t in tasks)))
         workers = self._workers
-        if workers is None or workers.broken or workers.slots.slot_bytes < slot_bytes:
+        if workers is None or workers.broken or workers.slots.slot_bytes < slot_bytes or len(workers._conns) < num_workers:
             # First pass, a dead worker, or larger batches than the slots hold: start afresh.
             self.close()
-            workers = self._workers = _Workers(self._reader, opts.num_workers, opts.prefetch_batches, slot_bytes)
+            workers = self._workers = _Workers(self._reader, num_workers, opts.prefetch_batches, slot_bytes)
         return workers.run(tasks)
 
     def _note_skipped(self, skipped: Iterable[tuple[int, str]]) -> None:

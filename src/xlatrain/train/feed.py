@@ -8,11 +8,19 @@ way the runtime wraps the host batches (device prefetch, input sharding).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import hashlib
+import itertools
+import random
+import signal
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
+
+from xlatrain.backend.base import host_rng_state, set_host_rng_state
+from xlatrain.data.workers import auto_workers
 
 from xlatrain.backend.base import Runtime, Strategy
 from xlatrain.config import TrainConfig
@@ -31,19 +39,98 @@ def loader_layout(strategy: Strategy, per_device: int) -> dict[str, int]:
     }
 
 
+def decode_workers(requested: int | str, dataset: Any, batches: int) -> tuple[int, str]:
+    """The processes that fetch and decode batches beside this training process, and why:
+    ``"auto"`` is :func:`~xlatrain.data.workers.auto_workers`, and none for data already in memory
+    (nothing to decode); a number is used as given."""
+    if requested != "auto":
+        return int(requested), "as configured"
+    if isinstance(dataset, (TensorDataset, list, tuple)):
+        return 0, f"auto: a {type(dataset).__name__} is in memory, nothing to decode"
+    return auto_workers(batches)
+
+
+def _quiet_worker(worker_id: int) -> None:
+    """A worker leaves Ctrl-C and SIGTERM to the training process, which stops the run and then
+    its workers (a worker that also heard them would print the stop notice again)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def data_loader(
-    config: TrainConfig, runtime: Runtime, dataset: Any, sampler: Any, collate_fn: Callable[[list[Any]], Any] = collate
+    config: TrainConfig, runtime: Runtime, dataset: Any, sampler: Any, collate_fn: Callable[[list[Any]], Any] = collate,
+    *, num_workers: int = 0, phase: str = "train", process_index: int = 0,
 ) -> DataLoader[Any]:
+    """A DataLoader whose every batch draws its random numbers (augmentation in the dataset, a
+    mixup collate) from a seed of ``(seed, epoch, step, process)``, in a worker or in this process
+    alike: the batches do not depend on how many workers made them, nor on where a resumed run
+    started."""
+    items = dataset if isinstance(dataset, (Items, PaddedDataset)) else Items(dataset)
     return DataLoader(
-        dataset if isinstance(dataset, (Items, PaddedDataset)) else Items(dataset),
-        batch_size=sampler.loader_batch,
-        sampler=sampler,
-        collate_fn=collate_fn,
-        num_workers=config.num_workers,
-        persistent_workers=config.num_workers > 0,
+        SeededBatches(items, collate_fn),
+        batch_sampler=SeededSampler(sampler, config.seed, phase, process_index),
+        collate_fn=_only,
+        num_workers=num_workers,
+        persistent_workers=num_workers > 0 and phase == "train",
         pin_memory=runtime.pin_memory,
+        worker_init_fn=_quiet_worker if num_workers > 0 else None,
         generator=torch.Generator().manual_seed(config.seed),
     )
+
+
+def batch_seed(seed: int, phase: str, epoch: int, step: int, process_index: int) -> int:
+    """The seed of one batch's random draws."""
+    key = f"{seed}:{phase}:{epoch}:{step}:{process_index}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") % 2**63
+
+
+class SeededSampler(Sampler[list[tuple[int, int]]]):
+    """A sampler's indices in loader batches, each index paired with its batch's seed."""
+
+    def __init__(self, sampler: Any, seed: int, phase: str, process_index: int) -> None:
+        self.sampler, self.seed, self.phase, self.process_index = sampler, seed, phase, process_index
+        self.loader_batch = sampler.loader_batch
+
+    def __len__(self) -> int:
+        return -(-len(self.sampler) // self.loader_batch)
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        epoch, step = getattr(self.sampler, "epoch", 0), getattr(self.sampler, "start_step", 0)
+        indices = iter(self.sampler)
+        while chunk := list(itertools.islice(indices, self.loader_batch)):
+            step += 1
+            seed = batch_seed(self.seed, self.phase, epoch, step, self.process_index)
+            yield [(seed, index) for index in chunk]
+
+
+class SeededBatches(Dataset):  # type: ignore[type-arg]
+    """Fetches and collates one whole batch under its own seed (``__getitems__``), leaving the
+    random state of the process it runs in as it found it."""
+
+    def __init__(self, items: Any, collate_fn: Callable[[list[Any]], Any]) -> None:
+        self.items, self.collate_fn = items, collate_fn
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitems__(self, keys: list[tuple[int, int]]) -> list[Any]:
+        state = host_rng_state()
+        try:
+            seed = keys[0][0]
+            random.seed(seed)
+            np.random.seed(seed % 2**32)
+            torch.default_generator.manual_seed(seed)  # the CPU generator only: a CUDA one is the model's
+            batch = self.collate_fn([self.items[index] for _, index in keys])
+        finally:
+            set_host_rng_state(state)
+        if batch is None:
+            raise ValueError(f"collate_fn {self.collate_fn!r} returned None: it must return the batch it makes of "
+                             "the items it is given")
+        return [batch]
+
+
+def _only(batches: list[Any]) -> Any:
+    return batches[0]
 
 
 class TrainFeed:
@@ -64,6 +151,8 @@ class TrainFeed:
             self.steps_per_epoch = train_steps_per_epoch(
                 len(dataset), self._layout["loader_batch"], self._layout["num_processes"], cfg.grad_accum_steps
             )
+            decode = getattr(dataset, "decode_workers", None)  # a BatchSource of one's own may decode in this process
+            self.num_workers, self.workers_reason = decode(self.steps_per_epoch) if decode else (None, "")
             return
         if sampler is not None:
             self.sampler = UserSampler(
@@ -75,8 +164,18 @@ class TrainFeed:
         # The first epoch's steps (a user's sampler may give another count in a later epoch: the
         # Trainer counts the steps each epoch runs).
         self.steps_per_epoch = self.sampler.steps_per_epoch
+        self.num_workers, self.workers_reason = decode_workers(cfg.num_workers, dataset, self.steps_per_epoch)
         # Built once, so DataLoader workers persist across epochs.
-        self._loader = data_loader(cfg, runtime, dataset, self.sampler, collate_fn)
+        self._loader = data_loader(cfg, runtime, dataset, self.sampler, collate_fn, num_workers=self.num_workers,
+                                   process_index=st.process_index)
+
+    def close(self) -> None:
+        """Stop the loader's persistent workers now, not at interpreter exit (where a worker that
+        the exit handlers terminate first is reported by the loader as killed)."""
+        iterator = getattr(getattr(self, "_loader", None), "_iterator", None)
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
+            self._loader._iterator = None
 
     def sample_indices(self, epoch: int, step: int) -> list[int] | None:
         """The dataset indices of this process's batch at ``step`` (from 1) of ``epoch``, where the
@@ -109,7 +208,9 @@ def eval_batches(
         host: Iterable[Any] = dataset.eval_batches(**layout)
     else:
         padded = PaddedDataset(Items(dataset), len(dataset))
-        host = data_loader(config, runtime, padded, sampler, collate if collate_fn is collate else _Flagged(collate_fn))
+        workers, _ = decode_workers(config.num_workers, dataset, sampler.steps)
+        host = data_loader(config, runtime, padded, sampler, collate if collate_fn is collate else _Flagged(collate_fn),
+                           num_workers=workers, phase="eval", process_index=strategy.process_index)
     return runtime.wrap_loader(host, strategy.input_sharding), sampler
 
 

@@ -49,16 +49,19 @@ class DataConfig:
     num_folds: int = 5
     fold: int = 0
     seed: int = 0
-    workers: int = 2
+    pack_workers: int = 2  # processes that generate and pack the data (decoding is trainer.num_workers)
     hflip: float = 0.5
     rotate_degrees: float = 10.0
+
+    RENAMED = {"workers": "pack_workers (processes that generate and pack the data; the processes that decode "
+                          "batches while training are trainer.num_workers)"}
 
     def __post_init__(self) -> None:
         from xlatrain.config import check_int, check_nonnegative
 
         for key in ("num_studies", "stored_size", "image_size", "num_folds"):
             check_int(f"data.{key}", getattr(self, key), minimum=2 if key == "num_folds" else 1)
-        check_int("data.workers", self.workers)
+        check_int("data.pack_workers", self.pack_workers)
         check_int("data.seed", self.seed, minimum=0)
         check_nonnegative("data.rotate_degrees", self.rotate_degrees)
         if not 0 <= self.hflip <= 1:
@@ -150,7 +153,7 @@ def _prepare(data: DataConfig, root: Path) -> None:
         lo, hi = data.slices_per_study
         synthetic_rsna.generate(
             root, num_studies=data.num_studies, slices_per_study=(lo, hi), image_size=data.stored_size,
-            seed=data.seed, workers=data.workers,
+            seed=data.seed, workers=data.pack_workers,
         )
         atomic_write_text(root / GENERATED_FROM, json.dumps(_generation(data)))
     _check_generated(data, root)
@@ -158,7 +161,7 @@ def _prepare(data: DataConfig, root: Path) -> None:
         log.info(f"packing {root} into {data.shard_dir} ...")
         pack(
             root / "train.csv", root / "train", data.shard_dir, path_columns=list(ID_COLUMNS), suffix=".jpg",
-            labels=list(TARGET_NAMES), group=STUDY_COLUMN, workers=data.workers, progress=False,
+            labels=list(TARGET_NAMES), group=STUDY_COLUMN, workers=data.pack_workers, progress=False,
         )
 
 
@@ -199,7 +202,7 @@ class Split:
     val_studies: np.ndarray
 
 
-def datasets(data: DataConfig, num_workers: int = 0, pin_memory: bool = False) -> Split:
+def datasets(data: DataConfig, num_workers: int | str = "auto", pin_memory: bool = False) -> Split:
     """Train / validation of fold ``data.fold``, grouped by study (no study on both sides).
 
     ``num_workers`` (the trainer's setting) is how many processes decode: the shard reader's own
