@@ -47,7 +47,11 @@ def prepare(trainer: Trainer, train_data: Any, val_data: Any | None) -> tuple[pe
     one validation batch goes through evaluation's own path, gathers included. Random state,
     batch-norm statistics and gradients are put back, so the run's numbers are what they would be
     without it. Returns the memory plan and the throughput yardstick."""
-    rt = trainer.runtime
+    rt, st = trainer.runtime, trainer.strategy
+    # The state as the strategy holds it between steps, taken before any forward pass (FSDP keeps
+    # its root's weights gathered after one until the backward).
+    state = st.planned_state_bytes(trainer.model, trainer.optimizer)
+    gathered = st.gathered_bytes(trainer.model, trainer.precision)
     rng, host_rng = rt.rng_state(), host_rng_state()
     try:
         profile, flops, flops_source, tokens = _training_batch(trainer, train_data)
@@ -57,7 +61,7 @@ def prepare(trainer: Trainer, train_data: Any, val_data: Any | None) -> tuple[pe
         rt.set_rng_state(rng)
         set_host_rng_state(host_rng)
     check_monitor(trainer, val_data)
-    return plan(trainer, train_data, profile, flops, flops_source, tokens)
+    return plan(trainer, train_data, profile, flops, flops_source, tokens, state, gathered)
 
 
 def dry_run(trainer: Trainer, train_data: Any | None, val_data: Any | None) -> None:
@@ -211,7 +215,7 @@ class _Head:
 
 
 def plan(trainer: Trainer, train_data: Any, profile: perf.StepProfile, flops: float | None, flops_source: str,
-         tokens: int | None) -> tuple[perf.MemoryPlan, perf.Throughput]:
+         tokens: int | None, state: dict[str, Any], gathered: int) -> tuple[perf.MemoryPlan, perf.Throughput]:
     """What one training step needs of a device and what it computes, from the measured batch
     (:mod:`xlatrain.train.perf`); refuse a run that cannot fit, naming what would."""
     cfg, rt, st = trainer.config, trainer.runtime, trainer.strategy
@@ -225,14 +229,13 @@ def plan(trainer: Trainer, train_data: Any, profile: perf.StepProfile, flops: fl
         peak_per_device=peak[0] if peak else None, peak_source=peak[1] if peak else "not in xlatrain's table",
         devices=st.world_size, dtype=str(compute).removeprefix("torch."),
     )
-    state = st.planned_state_bytes(trainer.model, trainer.optimizer)
     if trainer.ema is not None and not trainer.ema.pairs():  # the averages: one more copy of the weights
         state = {**state, "optimizer": state["optimizer"] + state["parameters"]}
     capacity = trainer.backend.device_memory or rt.memory_capacity()
     memory = perf.MemoryPlan(
         parameters=state["parameters"], gradients=state["gradients"], optimizer=state["optimizer"],
         optimizer_source=state["optimizer_source"], activations=profile.activations, batch=cfg.batch_size,
-        checkpointed=st.activation_checkpointing, gathered=st.gathered_bytes(trainer.model, trainer.precision),
+        checkpointed=st.activation_checkpointing, gathered=gathered,
         capacity=capacity[0] if capacity else None,
         capacity_source=capacity[1] if capacity else "the runtime reports no capacity",
     )
