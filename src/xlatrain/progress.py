@@ -64,7 +64,7 @@ class IntervalStats:
     step: int  # step within the epoch (1-based) the read was taken at
     epoch_loss: float  # mean training loss over the epoch's steps so far
     interval_loss: float  # mean training loss over the steps since the previous read
-    samples_per_s: float  # samples since the previous read over host time since then
+    samples_per_s: float | None  # samples since the previous read over the time since then; None in warm-up
     nonfinite: int  # steps of this epoch so far whose loss or gradient norm was NaN/Inf
 
 
@@ -79,17 +79,21 @@ class IntervalMeter:
             that first interval the epoch mean instead.
     """
 
-    def __init__(self, start_step: int, *, samples_per_step: int, start_loss_sum: float | None = None) -> None:
+    def __init__(self, start_step: int, *, samples_per_step: int, start_loss_sum: float | None = None,
+                 warm_until: int | None = None) -> None:
         self._samples_per_step = samples_per_step
         self._last_step = start_step
         self._last_sum = 0.0 if start_step == 0 else start_loss_sum
         self._last_time = time.perf_counter()
+        self._warm_until = start_step if warm_until is None else warm_until
 
     def measure(self, step: int, *, loss_sum: float, nonfinite: float) -> IntervalStats:
-        """The interval ending at ``step``: ``loss_sum`` over the epoch's steps 1..``step``."""
+        """The interval ending at ``step``: ``loss_sum`` over the epoch's steps 1..``step``. An
+        interval that holds a warm-up step (compilation, first allocations) has no rate."""
         now = time.perf_counter()
         done = step - self._last_step
-        rate = done * self._samples_per_step / max(now - self._last_time, 1e-9)
+        rate = done * self._samples_per_step / max(now - self._last_time, 1e-9) if self._last_step >= self._warm_until \
+            else None
         epoch_loss = loss_sum / step
         interval_loss = (loss_sum - self._last_sum) / done if self._last_sum is not None and done > 0 else epoch_loss
         self._last_step, self._last_sum, self._last_time = step, loss_sum, now
@@ -167,11 +171,14 @@ class EpochProgress:
         if self._bar is not None and step > self._bar.n:
             self._bar.update(step - self._bar.n)
 
-    def show(self, step: int, *, epoch_loss: float, samples_per_s: float, nonfinite: int) -> None:
-        """Show one measured interval: a line, or the bar's figures."""
+    def show(self, step: int, *, epoch_loss: float, samples_per_s: float | None, nonfinite: int) -> None:
+        """Show one measured interval: a line, or the bar's figures (no rate for a warm-up interval)."""
         note = f"  ({nonfinite} non-finite steps)" if nonfinite > 0 else ""
-        extra = self._rate_note(samples_per_s) if self._rate_note is not None else ""
-        rate_text = f"{samples_per_s:,.0f} samples/s" + (f", {extra}" if extra else "")
+        if samples_per_s is None:
+            rate_text = "warm-up (no rate: compiling and first steps)"
+        else:
+            extra = self._rate_note(samples_per_s) if self._rate_note is not None else ""
+            rate_text = f"{format_rate(samples_per_s)} samples/s" + (f", {extra}" if extra else "")
         if self._interactive:
             # A read that lands after close is not shown: its bar is gone, and the epoch line follows.
             if self._bar is not None:
@@ -193,6 +200,38 @@ class EpochProgress:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def format_rate(value: float) -> str:
+    """A rate with the digits it has: ``1,874``, ``12.5``, ``0.27`` (never a ``0`` for a small one)."""
+    if value >= 100:
+        return f"{value:,.0f}"
+    if value >= 1:
+        return f"{value:.1f}"
+    return f"{value:.2g}"
+
+
+class WarmupClock:
+    """Where an epoch's steady window starts: after the first ``warm`` steps of a fit (where
+    compilation and first allocations happen), timed when the device has run them (the runtime's
+    deferred read), so steady rates leave them out."""
+
+    def __init__(self, first_step: int, warm: int, started: float) -> None:
+        self.mark_step = first_step + warm
+        self.started = started
+        self.marked: float | None = None if warm else started
+
+    def mark(self, *_: Any) -> None:
+        self.marked = time.perf_counter()
+
+    def rate(self, steps_done: int, samples_per_step: int, first_step: int) -> tuple[float, float | None]:
+        """(samples/s over the steady window, or over the whole epoch where it has no steady
+        steps; the warm-up seconds left out, or None)."""
+        now = time.perf_counter()
+        if self.marked is not None and steps_done > self.mark_step:
+            rate = (steps_done - self.mark_step) * samples_per_step / max(now - self.marked, 1e-9)
+            return rate, (self.marked - self.started) if self.marked != self.started else None
+        return (steps_done - first_step) * samples_per_step / max(now - self.started, 1e-9), None
 
 
 def _columns(stream: Any) -> int:
@@ -220,3 +259,15 @@ def _console_loggers() -> list[logging.Logger]:
 
     candidates = (logging.getLogger(LOGGER_NAME), logging.getLogger())
     return [lg for lg in candidates if any(on_console(h) for h in lg.handlers)]
+
+
+def epoch_line(row: Mapping[str, Any], epochs: int, monitor: str, improved: bool) -> str:
+    """The line that ends an epoch: its losses and metrics, time, rates and MFU."""
+    shown = [f"{k} {v:.4f}" for k, v in row.items() if k.startswith(("train_", "val_")) and "auc_" not in k]
+    star = f"  (best {monitor})" if improved else ""
+    rate = "".join(f"  {format_rate(row[k])} {unit}" for k, unit in (("samples_per_s", "samples/s"),
+                                                                     ("tokens_per_s", "tokens/s")) if k in row)
+    rate += f"  MFU {100 * row['mfu']:.1f}%" if "mfu" in row else ""
+    # Rates leave the fit's first steps out: their time (compiling, first allocations) is said apart.
+    warm = f" (first steps {row['warmup_s']:.1f}s, left out of the rates)" if "warmup_s" in row else ""
+    return f"epoch {row['epoch']}/{epochs}  " + "  ".join(shown) + f"  {row['epoch_time_s']:.1f}s{warm}" + rate + star

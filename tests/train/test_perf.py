@@ -153,7 +153,8 @@ def test_in_one_process_the_plan_equals_the_real_state_and_throughput_is_reporte
         backend="cpu",
     )
     with caplog.at_level("INFO", logger="xlatrain"):
-        history = trainer.fit(_tokens(32), _tokens(8, 1))
+        # 6 steps: the progress line at step 2 is the warm-up's (no rate), the one at step 4 has rates.
+        history = trainer.fit(_tokens(48), _tokens(8, 1))
     plan = trainer.memory_plan.as_dict()
     assert plan["optimizer_source"] == "one step of AdamW on meta tensors"
     tokens, targets = _tokens(4, 2)[:]

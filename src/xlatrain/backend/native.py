@@ -101,7 +101,7 @@ class NativeRuntime:
             self._run_ready(wait=False)
 
     def defer(self, fn: Callable[..., None], tensors: Sequence[torch.Tensor]) -> None:
-        self.planned_reads += 1
+        self.planned_reads += bool(tensors)
         if self.kind != "cuda":
             # CPU: the values exist now. TorchTPU has no queryable events (Event.query raises),
             # so the read waits for the device here, once per log interval.

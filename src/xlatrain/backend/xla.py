@@ -164,7 +164,7 @@ class XlaRuntime:
     def defer(self, fn: Callable[..., None], tensors: Sequence[torch.Tensor]) -> None:
         import torch_xla.core.xla_model as xm
 
-        self.planned_reads += 1  # diagnostics tell these apart from reads the user's code makes
+        self.planned_reads += bool(tensors)  # diagnostics tell these apart from reads the user's code makes
         # Runs after the step's graph has executed: one transfer for all tensors, no extra compile.
         xm.add_step_closure(lambda *ts: fn(*xm._maybe_convert_to_cpu(list(ts))), args=tuple(tensors))
 

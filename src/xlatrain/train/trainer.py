@@ -20,6 +20,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -35,7 +36,7 @@ from xlatrain.diagnostics.compile import CompileWatch
 from xlatrain.diagnostics.profile import StepTrace
 from xlatrain.diagnostics.run import RunDiagnostics
 from xlatrain.logs import ensure_console, get_logger
-from xlatrain.progress import IntervalMeter, interactive_terminal
+from xlatrain.progress import IntervalMeter, WarmupClock, epoch_line, interactive_terminal
 from xlatrain.report import write_history
 from xlatrain.tensorboard import TensorBoardLog
 from xlatrain.train import perf, preflight, resumable
@@ -43,7 +44,7 @@ from xlatrain.train.batch import collate, tree_map
 from xlatrain.train.callbacks import Callbacks
 from xlatrain.train.checks import check_arguments, check_dataset, check_pipeline_arguments, required_positional
 from xlatrain.train.ema import EMA_KEY, EMA_WEIGHTS, WeightAverage
-from xlatrain.train.feed import TrainFeed, eval_batches
+from xlatrain.train.feed import TrainFeed, channels_last_choice, eval_batches, to_channels_last
 from xlatrain.train.losses import EvalLoss
 from xlatrain.train.metrics import EvalAccumulator, RowCollector, as_float, default_monitor, infer_task
 from xlatrain.train.model_io import ForwardSignature, ModelIO, no_grad_message
@@ -56,6 +57,9 @@ from xlatrain.train.state import Cursor
 __all__ = ["DoesNotFitError", "EMA_KEY", "EMA_WEIGHTS", "ModelParameters", "NonFiniteLossError", "RunShape", "Trainer"]
 
 log = get_logger(__name__)
+
+# The first steps of a fit compile (XLA, torch.compile, TorchTPU) and allocate: rates leave them out.
+WARMUP_STEPS = 2
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[..., Any]
@@ -254,7 +258,7 @@ class Trainer:
         self._run_config = {k: v for k, v in (run_config or {}).items() if k not in ("trainer", "checkpoint")}
         if has_meta_tensors(model):
             rt.seed_everything(cfg.seed)  # the weights drawn on the devices depend on the seed only
-        self.channels_last, self._channels_last_note = _channels_last_choice(cfg.channels_last, model, rt, cfg.precision)
+        self.channels_last, self._channels_last_note = channels_last_choice(cfg.channels_last, model, rt, cfg.precision)
         if self.channels_last:
             model = model.to(memory_format=torch.channels_last)
         self.model = st.prepare_model(model, self.precision, init_weights)
@@ -380,33 +384,29 @@ class Trainer:
             stop = run.enter_context(StopSignals(self._say))
             obs.call("on_fit_start", self)
             for epoch in range(first_epoch, cfg.epochs + 1):
-                started = time.perf_counter()
                 cursor.epoch, cursor.step, cursor.epoch_done = epoch, start_step, False
                 lr, num_steps = self.optimizer.param_groups[0]["lr"], feed.steps_per_epoch
-                self.model.train()
-                meter = IntervalMeter(start_step, samples_per_step=self.global_batch_size,
-                                      start_loss_sum=self._start_loss_sum)
-                self._start_loss_sum = None  # later epochs start from zero
-                step_start, step_end = obs.hooks("on_step_start"), obs.hooks("on_step_end")
-                before, last_logged, extra = (epoch - 1) * num_steps, start_step, False  # the trace counts over the run
-                batches = obs.batches(feed.batches(epoch, start_step), "train", epoch, start_step + 1)
+                ep = self._epoch_start(feed, epoch, start_step, warm=WARMUP_STEPS if epoch == first_epoch else 0)
+                last_logged, extra = start_step, False
                 with obs.epoch(self, epoch, start_step, num_steps):  # the bar goes however the epoch ends
                     fetch_started = time.perf_counter()
-                    for step, batch in enumerate(batches, start=start_step + 1):
+                    for step, batch in enumerate(ep.batches, start=start_step + 1):
                         if step > num_steps:
                             extra = True  # a source that gives more batches than it announced
                             break
                         input_wait_s = time.perf_counter() - fetch_started
-                        for fn in step_start:
-                            fn(before + step)
+                        for fn in ep.step_start:
+                            fn(ep.before + step)
                         last_micro = step % accum == 0
                         self._train_step(batch, cursor, step, last_micro, sums)
-                        for fn in step_end:
-                            fn(step, before + step, input_wait_s)
+                        for fn in ep.step_end:
+                            fn(step, ep.before + step, input_wait_s)
+                        if step == ep.clock.mark_step:  # the warm-up steps are done once the device ran them
+                            rt.defer(ep.clock.mark, [])
                         if step % cfg.log_every == 0 and step < num_steps:
                             # A micro step is plotted at its coming optimizer step, so every point
                             # logged after a checkpoint at step T lies after T.
-                            show = self._interval(meter, epoch, last_logged + 1, step,
+                            show = self._interval(ep.meter, epoch, last_logged + 1, step,
                                                   cursor.global_step + (0 if last_micro else 1))
                             rt.defer(show, [st.all_reduce_mean(sums["loss"]), sums["nonfinite"]])
                             last_logged = step
@@ -420,10 +420,10 @@ class Trainer:
                         if last_micro and every is not None and cursor.global_step % every == 0 and step < num_steps:
                             resumable.save_checkpoint(self, cursor, sums)
                         fetch_started = time.perf_counter()
-                row = {"epoch": epoch, "lr": lr, **self._epoch_means(feed, cursor, sums, start_step, started, extra)}
+                row = {"epoch": epoch, "lr": lr, **self._epoch_means(feed, cursor, sums, start_step, ep.clock, extra)}
                 if val_data is not None:
                     row.update(self._validate(val_data))
-                row["epoch_time_s"] = round(time.perf_counter() - started, 3)
+                row["epoch_time_s"] = round(time.perf_counter() - ep.clock.started, 3)
                 sums, start_step = self._new_sums(), 0
                 self._finish_epoch(row, cursor, sums)
                 if self._should_stop(cursor, epoch):
@@ -523,9 +523,25 @@ class Trainer:
             own.append(DiagnosticsObserver(diag, lambda: {"memory": plan.as_dict(), "throughput": rate.as_dict()}))
         return Observers(own, self._callbacks)
 
+    def _epoch_start(self, feed: TrainFeed, epoch: int, start_step: int, warm: int) -> SimpleNamespace:
+        """What one epoch's loop needs: its batches, the step hooks bound once, the interval meter
+        and the clock of its steady window (the first ``warm`` steps left out of its rates)."""
+        self.model.train()
+        obs = self._observers
+        clock = WarmupClock(start_step, min(warm, max(feed.steps_per_epoch - start_step - 1, 0)), time.perf_counter())
+        meter = IntervalMeter(start_step, samples_per_step=self.global_batch_size, start_loss_sum=self._start_loss_sum,
+                              warm_until=clock.mark_step)
+        self._start_loss_sum = None  # later epochs start from zero
+        return SimpleNamespace(
+            batches=obs.batches(feed.batches(epoch, start_step), "train", epoch, start_step + 1), meter=meter,
+            clock=clock, step_start=obs.hooks("on_step_start"), step_end=obs.hooks("on_step_end"),
+            before=(epoch - 1) * feed.steps_per_epoch,  # the trace counts over the run
+        )
+
     def _epoch_means(self, feed: TrainFeed, cursor: Cursor, sums: dict[str, torch.Tensor], first_step: int,
-                     started: float, extra: bool) -> dict[str, float]:
-        """The epoch's mean loss and terms as history columns (``train_...``), read once, and its rate."""
+                     clock: WarmupClock, extra: bool) -> dict[str, float]:
+        """The epoch's mean loss and terms as history columns (``train_...``), read once, and its
+        rates over the steady window (the fit's first steps, which compile, left out)."""
         cfg, rt, st = self.config, self.runtime, self.strategy
         ran = self._count_steps(feed, cursor, feed.steps_per_epoch, cursor.step, extra)
         names = [k for k in sums if k != "nonfinite"]
@@ -533,10 +549,10 @@ class Trainer:
         self._check_nonfinite(float(bad), cursor.epoch, 1, ran)
         good_steps = max(ran - float(bad) if cfg.nan_policy == "skip_step" else ran, 1)
         row = {"train_" + name.removeprefix("term."): float(total) / good_steps for name, total in zip(names, totals)}
-        # Over the epoch's training (its first step's compilation included; validation not).
-        rate = (ran - first_step) * self.global_batch_size / max(time.perf_counter() - started, 1e-9)
+        rate, warmup_s = clock.rate(ran, self.global_batch_size, first_step)
         figures = self.throughput.figures(rate) if self.throughput is not None else {}
-        return {**row, "samples_per_s": round(rate, 2), **{k: float(f"{v:.4g}") for k, v in figures.items()}}
+        return {**row, "samples_per_s": float(f"{rate:.4g}"), **{k: float(f"{v:.4g}") for k, v in figures.items()},
+                **({"warmup_s": round(warmup_s, 3)} if warmup_s is not None else {})}
 
     def _validate(self, val_data: Any) -> dict[str, float]:
         """The epoch's validation columns (``val_...``), and the EMA weights' (``val_ema_...``)."""
@@ -569,7 +585,7 @@ class Trainer:
                 self.save_weights(self.run_dir / EMA_WEIGHTS)
         if self.checkpoint.enabled and self.checkpoint.at_epoch_end:
             resumable.save_checkpoint(self, cursor, sums)
-        self._say(_epoch_line(row, cfg.epochs, self.monitor, improved))
+        self._say(epoch_line(row, cfg.epochs, self.monitor, improved))
         self.epochs_trained += 1
         if self.epochs_trained == 1:
             preflight.report_peak(self)
@@ -710,7 +726,7 @@ class Trainer:
         (``channels_last``), then the user's ``batch_transform`` (and, for training,
         ``train_batch_transform``). A transform that returns nothing is named as the culprit."""
         if self.channels_last:
-            batch = tree_map(_channels_last, batch)
+            batch = tree_map(to_channels_last, batch)
         for name, transform in (("batch_transform", self._batch_transform),
                                 ("train_batch_transform", self._train_batch_transform if training else None)):
             if transform is not None:
@@ -742,7 +758,8 @@ class Trainer:
                 # Raised by the training loop right after this read, not inside the runtime's callback.
                 self._nonfinite = (epoch, first, step, int(bad))
             stats = meter.measure(step, loss_sum=float(mean_loss_sum), nonfinite=bad)
-            figures = self.throughput.figures(stats.samples_per_s) if self.throughput is not None else {}
+            rate = stats.samples_per_s
+            figures = self.throughput.figures(rate) if self.throughput is not None and rate is not None else {}
             self._observers.call("on_interval", self, {
                 "epoch": epoch, "step": step, "global_step": tb_step, "loss": stats.interval_loss,
                 "epoch_loss": stats.epoch_loss, "nonfinite_steps": stats.nonfinite,
@@ -851,39 +868,3 @@ def _in_step(trainer: Trainer, cursor: Cursor, step: int) -> Iterator[list[str]]
                 + (f"; this process's batch holds the dataset's sample indices {indices}" if indices else "")
             )
         raise
-
-
-def _channels_last_choice(asked: bool | str, model: torch.nn.Module, runtime: Any, precision: str) -> tuple[bool, str | None]:
-    """Whether the model and its image batches go channels-last, and what the header says of it.
-
-    ``"auto"`` turns it on where it was measured to pay: 2-D convolutions on CUDA under bf16/fp16
-    autocast (tensor cores read NHWC; 1.7x for a ResNet-34 on an H100). TPU runtimes choose their
-    own layouts, and on the CPU a float32 ResNet-18 step measured 2.4x slower channels-last.
-    """
-    convs = any(isinstance(m, torch.nn.Conv2d) for m in model.modules())
-    if asked != "auto":
-        return bool(asked), None
-    if not convs:
-        return False, None  # nothing it would change
-    on = runtime.device.type == "cuda" and precision in ("bf16", "fp16")
-    if on:
-        return True, f"channels_last on (auto: 2-D convolutions under {precision} autocast on CUDA)"
-    return False, (f"channels_last off (auto: on only for 2-D convolutions under bf16/fp16 autocast on CUDA; this run "
-                   f"is {runtime.device.type}, precision {precision})")
-
-
-def _channels_last(t: Any) -> Any:
-    """A 4-D floating tensor (images, N x C x H x W) in channels-last memory order; others as they are."""
-    if isinstance(t, torch.Tensor) and t.dim() == 4 and t.is_floating_point():
-        return t.contiguous(memory_format=torch.channels_last)
-    return t
-
-
-def _epoch_line(row: dict[str, Any], epochs: int, monitor: str, improved: bool) -> str:
-    shown = [f"{k} {v:.4f}" for k, v in row.items() if k.startswith(("train_", "val_")) and "auc_" not in k]
-    star = f"  (best {monitor})" if improved else ""
-    rate = "".join(f"  {row[k]:,.0f} {unit}" for k, unit in (("samples_per_s", "samples/s"), ("tokens_per_s", "tokens/s"))
-                   if k in row)
-    rate += f"  MFU {100 * row['mfu']:.1f}%" if "mfu" in row else ""
-    return f"epoch {row['epoch']}/{epochs}  " + "  ".join(shown) + f"  {row['epoch_time_s']:.1f}s" + rate + star
-

@@ -1,0 +1,71 @@
+"""Throughput that means what it says: rates and MFU leave out the first steps of a fit, where
+torch.compile (or XLA, or TorchTPU) compiles, and the time those steps took is said beside them."""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import xlatrain
+
+
+class _Rates:
+    def __init__(self):
+        self.values = []
+
+    def on_interval(self, trainer, values):
+        self.values.append(values)
+
+
+class _Paced(nn.Module):
+    """A step of a steady 20 ms (a sleep outside the compiled graph): the rates measured are then
+    the accounting's, not this machine's noise."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(256, 64), nn.ReLU(), nn.Linear(64, 10))
+
+    def forward(self, x):
+        time.sleep(0.02)
+        return self.net(x)
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: on a shared 2-core machine, threads that spin waiting for each other
+    make a tiny step's time swing by an order of magnitude."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_a_compiled_epoch_reports_the_steady_rate_not_one_diluted_by_compilation(tmp_path, one_thread):
+    torch.manual_seed(0)
+    model = _Paced()
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(64 * 40, 256, generator=g), torch.randint(0, 10, (64 * 40,), generator=g))
+    rates = _Rates()
+    trainer = xlatrain.Trainer(
+        model, nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.01),
+        config=xlatrain.TrainConfig(epochs=1, batch_size=64, compile=True, log_every=5, run_dir=str(tmp_path),
+                                    tensorboard=False),
+        accelerator="cpu", callbacks=[rates],
+    )
+    row = trainer.fit(data)[0]
+    # The warm-up interval has no rate; the later ones do, and the steady window is what they add up to.
+    assert rates.values[0]["samples_per_s"] is None and "mfu" not in rates.values[0]
+    steady = [v for v in rates.values if v["samples_per_s"] is not None]
+    samples = sum(5 * 64 for _ in steady)
+    window_rate = samples / sum(5 * 64 / v["samples_per_s"] for v in steady)
+    assert abs(row["samples_per_s"] / window_rate - 1) < 0.10, (row, window_rate)
+    window_mfu = trainer.throughput.figures(window_rate)["mfu"]
+    assert abs(row["mfu"] / window_mfu - 1) < 0.10
+    # Compilation took most of the epoch: a rate over the whole epoch would be a fraction of the steady one.
+    whole_epoch_rate = 40 * 64 / row["epoch_time_s"]
+    assert whole_epoch_rate < 0.5 * row["samples_per_s"], (whole_epoch_rate, row)
+    assert row["warmup_s"] > 0.5 * row["epoch_time_s"]  # the compile time, said beside the rate
