@@ -383,3 +383,46 @@ def load_whole_sharded(
     groups = [{**g, "params": [order[int(i)] for i in g["params"]]} for g in optim_state["param_groups"]]
     set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict={"state": state, "param_groups": groups},
                    options=StateDictOptions(full_state_dict=True))
+
+
+# Devices whose torch optimizers have a fused kernel measured faster than the default (foreach):
+# AdamW on an H100 (85M LM, compiled) +5.8% tokens/s; on this project's CPU an AdamW step over 8M
+# float32 parameters took 13 ms fused against 82-134 ms foreach.
+FUSED_DEVICES = ("cuda", "cpu")
+
+
+def fused_optimizer(optimizer: torch.optim.Optimizer) -> tuple[torch.optim.Optimizer, str | None]:
+    """The same optimizer with ``fused=True`` where torch has a fused kernel for its parameters'
+    device and the factory chose no implementation (``fused`` and ``foreach`` left unset); else the
+    optimizer as it was. Returns what to say in the run's header, or None.
+
+    A fused step computes the same update in one kernel per parameter group instead of a few per
+    tensor list; rounding may differ in the last bits. Sharded (DTensor) parameters keep the
+    default implementation.
+    """
+    import inspect
+
+    cls = type(optimizer)
+    try:
+        signature = inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        signature = {}
+    accepts = "fused" in signature
+    defaults = optimizer.defaults
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if not accepts or defaults.get("fused") is not None or defaults.get("foreach") is not None or not params:
+        return optimizer, None
+    if defaults.get("differentiable") or defaults.get("capturable") or any(optimizer.state.values()):
+        return optimizer, None
+    devices = {p.device.type for p in params}
+    if len(devices) != 1 or devices & set(FUSED_DEVICES) != devices:
+        return optimizer, None
+    if any(type(p.data) is not torch.Tensor or not p.is_floating_point() for p in params):
+        return optimizer, None  # DTensors (FSDP) and the like keep the default
+    groups = [{**group, "fused": True} for group in optimizer.param_groups]
+    try:
+        fused = cls(groups, **{k: v for k, v in defaults.items() if k in signature and k != "fused"}, fused=True)
+    except (RuntimeError, ValueError, TypeError):  # a dtype or option the fused kernel does not take
+        return optimizer, None
+    return fused, (f"optimizer: {cls.__name__} with fused=True (one kernel per step on {devices.pop()}; the factory "
+                   "chose no implementation, and fused=False keeps torch's default)")

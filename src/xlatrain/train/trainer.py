@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from xlatrain.backend import Backend, from_config, select_backend
-from xlatrain.backend.model_state import has_meta_tensors
+from xlatrain.backend.model_state import fused_optimizer, has_meta_tensors
 from xlatrain.backend.precision import Precision
 from xlatrain.checkpoint import latest_name, write_weights
 from xlatrain.config import BackendConfig, CheckpointConfig, TrainConfig, monitor_mode_for
@@ -271,6 +271,7 @@ class Trainer:
                 f"optimizer_fn returned a {type(self.optimizer).__name__}, not a torch.optim.Optimizer: it must build "
                 "the optimizer from the parameters it is given, e.g. functools.partial(torch.optim.AdamW, lr=1e-3)"
             )
+        self.optimizer, self._optimizer_note = fused_optimizer(self.optimizer)
         # The weights' moving average joins the optimizer's state once it has one.
         self.ema = WeightAverage(self.optimizer, cfg.ema_decay, cfg.ema_every) if cfg.ema_decay is not None else None
         if cfg.scale_lr and st.world_size > 1:
@@ -482,6 +483,8 @@ class Trainer:
         feeding = [f"{feed.num_workers} decode worker(s) ({feed.workers_reason})"] if feed.num_workers is not None else []
         self._say(" | ".join(["input: " + (feeding[0] if feeding else "batches from " + type(train_data).__name__),
                               *([self._channels_last_note] if self._channels_last_note else [])]))
+        if self._optimizer_note:
+            self._say(self._optimizer_note)
         self._say(f"memory per device, before the first step: {self.memory_plan.summary()}")
         self._say(self.throughput.summary())
         self._note_sampler_length(feed)
