@@ -61,8 +61,9 @@ def main() -> None:
     data = Logged()
     trainer = xlatrain.Trainer(
         model, nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1),
+        # Items are read in this process (num_workers=0), where the dataset records them.
         config=xlatrain.TrainConfig(epochs=2, batch_size=batch, run_dir=run_dir, log_every=1000, diagnostics=False,
-                                    tensorboard=False),
+                                    tensorboard=False, num_workers=0),
         checkpoint=xlatrain.CheckpointConfig(enabled=False),
         sampler=sampler, **where,
     )
