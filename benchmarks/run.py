@@ -24,7 +24,8 @@ settle_libtpu_without_tpu()
 
 from xlatrain.checkpoint import atomic_write_text  # noqa: E402
 
-ENTRIES = ["trainer_overhead", "compiled_step", "input_pipeline", "object_store", "xla_loop", "compile_cache", "fsdp", "lm"]
+ENTRIES = ["trainer_overhead", "compiled_step", "input_pipeline", "object_store", "xla_loop", "compile_cache", "fsdp", "lm",
+           "startup", "gpu_pipeline", "gpu_lm", "gpu_memory", "gpu_overhead"]
 
 
 def _markdown(results: dict) -> str:
@@ -57,6 +58,10 @@ def main() -> None:
     for name, module in modules.items():
         started = time.perf_counter()
         figures = module.run()
+        if "skipped" in figures:
+            # A CUDA entry on a machine without a GPU: said, and its figures from a GPU run kept.
+            print(f"{name}: skipped: {figures['skipped']}", flush=True)
+            continue
         figures["seconds"] = round(time.perf_counter() - started, 1)
         results[name] = figures
         print(f"{name}: {json.dumps(figures)}", flush=True)

@@ -115,7 +115,18 @@ class Runtime(Protocol):
         ...
 
     def memory_peak(self) -> tuple[int, str] | None:
-        """The most memory this process has held on its device so far, and what that figure counts."""
+        """The most memory this process has held on its device since :meth:`reset_memory_peak`
+        (or since it started), and what that figure counts."""
+        ...
+
+    def reset_memory_peak(self) -> None:
+        """Start :meth:`memory_peak` afresh (a fit's peak is the fit's, not the process's)."""
+        ...
+
+    def step_memory(self, step: Callable[[], None]) -> int | None:
+        """The peak bytes allocated on the device while ``step`` runs (one forward and backward at
+        the real batch), measured where the runtime can (CUDA); ``None`` elsewhere, or where the
+        step does not fit (out of memory: the caller falls back to its estimate)."""
         ...
 
 

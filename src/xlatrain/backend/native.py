@@ -165,10 +165,30 @@ class NativeRuntime:
         shared = f", shared by {local} processes" if local > 1 else ""
         return available // local, f"the host's available memory{shared}"
 
-    def memory_peak(self) -> tuple[int, str] | None:
-        """The most memory this process held on the device so far, and what that figure is."""
+    def reset_memory_peak(self) -> None:
         if self.kind == "cuda":
-            return torch.cuda.max_memory_allocated(self.device), "CUDA's peak allocated"
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def step_memory(self, step: Callable[[], None]) -> int | None:
+        if self.kind != "cuda":
+            return None  # the CPU's allocator keeps no peak of its own; TorchTPU's compiles first
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        try:
+            step()
+            torch.cuda.synchronize(self.device)
+        except torch.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            return None
+        finally:
+            peak = torch.cuda.max_memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        return peak
+
+    def memory_peak(self) -> tuple[int, str] | None:
+        """The most memory held on the device since the last reset (fit's start), and what that figure is."""
+        if self.kind == "cuda":
+            return torch.cuda.max_memory_allocated(self.device), "CUDA's peak allocated since fit began"
         if self.kind == "tpu":
             stats = torch.accelerator.memory_stats()
             peak = stats.get("active_bytes.all.peak")

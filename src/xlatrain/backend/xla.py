@@ -216,6 +216,12 @@ class XlaRuntime:
             return available // self.num_devices, f"the host's available memory, shared by {self.num_devices} device(s)"
         return None
 
+    def reset_memory_peak(self) -> None:
+        pass  # torch_xla keeps one peak per process: it is said as the process's
+
+    def step_memory(self, step: Callable[[], None]) -> int | None:
+        return None  # a step compiles before it runs: measuring would cost a compilation up front
+
     def memory_peak(self) -> tuple[int, str] | None:
         try:
             import torch_xla.core.xla_model as xm

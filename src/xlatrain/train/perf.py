@@ -292,6 +292,9 @@ class MemoryPlan:
     capacity: int | None
     capacity_source: str
     measured_peak: tuple[int, str] | None = None
+    # CUDA: the peak allocated during one forward and backward at the real batch, measured before
+    # the first step (weights, gradients, activations, cuDNN workspaces and allocator blocks).
+    measured_step: int | None = None
     fixes: list[Fix] = field(default_factory=list)
 
     @property
@@ -299,8 +302,16 @@ class MemoryPlan:
         return self.activations.at(self.batch, self.checkpointed)
 
     @property
-    def total(self) -> int:
+    def estimate(self) -> int:
         return self.parameters + self.gradients + self.optimizer + self.activation_bytes + self.gathered
+
+    @property
+    def total(self) -> int:
+        """What a step needs: the measured step plus the optimizer's state where it was measured
+        (the state does not exist before the first step), else the estimate."""
+        if self.measured_step is not None:
+            return self.measured_step + self.optimizer
+        return self.estimate
 
     @property
     def fits(self) -> bool | None:
@@ -313,6 +324,9 @@ class MemoryPlan:
                  + (", units checkpointed" if self.checkpointed and self.activations.units else "") + ")"]
         if self.gathered:
             parts.append(f"gathered weights about {human_bytes(self.gathered)}")
+        if self.measured_step is not None:
+            parts = [f"one forward and backward at batch {self.batch} measured {human_bytes(self.measured_step)} "
+                     "(weights, gradients, activations, workspaces)", f"optimizer state {human_bytes(self.optimizer)}"]
         line = " + ".join(parts) + f" = {human_bytes(self.total)}"
         if capacity and self.capacity is not None:
             line += f" of {human_bytes(self.capacity)} ({self.capacity_source})"
@@ -323,7 +337,8 @@ class MemoryPlan:
             "parameters": self.parameters, "gradients": self.gradients, "optimizer": self.optimizer,
             "optimizer_source": self.optimizer_source, "activations": self.activation_bytes,
             "activation_profile": asdict(self.activations), "batch_per_device": self.batch,
-            "checkpointed": self.checkpointed, "gathered": self.gathered, "estimate": self.total,
+            "checkpointed": self.checkpointed, "gathered": self.gathered, "estimate": self.estimate,
+            "plan": self.total, "measured_step": self.measured_step,
             "capacity": self.capacity, "capacity_source": self.capacity_source,
         }
         if self.measured_peak is not None:

@@ -239,6 +239,7 @@ def plan(trainer: Trainer, train_data: Any, profile: perf.StepProfile, flops: fl
         capacity=capacity[0] if capacity else None,
         capacity_source=capacity[1] if capacity else "the runtime reports no capacity",
     )
+    memory.measured_step = _measured_step(trainer, train_data, module)
     if not st.any_process(memory.fits is False):
         if memory.capacity is not None and memory.total > perf.HEADROOM * memory.capacity:
             trainer._say(
@@ -265,6 +266,37 @@ def plan(trainer: Trainer, train_data: Any, profile: perf.StepProfile, flops: fl
         root_bytes=whole - sum(weight_bytes(u) for u in units), grad_accum_steps=cfg.grad_accum_steps,
     )
     raise DoesNotFitError(memory.refusal())
+
+
+def _measured_step(trainer: Trainer, train_data: Any, module: torch.nn.Module) -> int | None:
+    """Where the runtime measures it (CUDA): the peak of one forward and backward at the real
+    per-device batch, gradients dropped and random state put back; None elsewhere or when it does
+    not fit (the estimate then decides, with its refusal)."""
+    rt, cfg = trainer.runtime, trainer.config
+    if len(train_data) < cfg.batch_size:
+        return None
+
+    def step() -> None:
+        host = first_batch(train_data, rows=cfg.batch_size, collate_fn=trainer._collate)
+        batch = trainer._on_device(to_device(trainer, host), training=True)
+        with trainer.precision.autocast():
+            loss, _ = trainer.io.loss(trainer.io.call(module, batch), trainer.io.targets_of(batch))
+        loss.backward()
+
+    grads = {p: p.grad for p in module.parameters()}
+    buffers = [(m, n, b) for m in module.modules() for n, b in m._buffers.items() if b is not None]
+    for m, n, b in buffers:
+        m._buffers[n] = b.detach().clone()
+    rng, host_rng = rt.rng_state(), host_rng_state()
+    try:
+        return rt.step_memory(step)
+    finally:
+        for p, g in grads.items():
+            p.grad = g
+        for m, n, b in buffers:
+            m._buffers[n] = b
+        rt.set_rng_state(rng)
+        set_host_rng_state(host_rng)
 
 
 def check_monitor(trainer: Trainer, val_data: Any | None) -> None:
@@ -312,8 +344,16 @@ def report_peak(trainer: Trainer) -> None:
     peak = trainer.runtime.memory_peak()
     if peak is None or trainer.memory_plan is None:
         return
-    trainer.memory_plan.measured_peak = peak
+    plan = trainer.memory_plan
+    plan.measured_peak = peak
+    if peak[1].startswith("the process's"):  # the CPU: everything the process holds, not a device's memory
+        trainer._say(
+            f"memory: the process's peak resident memory was {perf.human_bytes(peak[0])} (Python, torch, the data and "
+            f"the model together); the model's own parameters, gradients, optimizer state and activations are "
+            f"{perf.human_bytes(plan.total)} of it"
+        )
+        return
     trainer._say(
-        f"memory per device: measured peak {perf.human_bytes(peak[0])} ({peak[1]}) beside the estimate "
-        f"{perf.human_bytes(trainer.memory_plan.total)} before the first step"
+        f"memory per device: measured peak {perf.human_bytes(peak[0])} ({peak[1]}) beside the plan "
+        f"{perf.human_bytes(plan.total)} made before the first step"
     )

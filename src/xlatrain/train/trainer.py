@@ -440,6 +440,7 @@ class Trainer:
         cfg, rt, st = self.config, self.runtime, self.strategy
         self.epochs_trained = 0
         self._stop_reason = None
+        rt.reset_memory_peak()  # the fit's peak, not what the process held before
         check_dataset("train_data", train_data)
         if isinstance(train_data, BatchSource) and (self._sampler is not None or self._collate is not collate):
             raise ValueError(
