@@ -173,6 +173,18 @@ class TrainConfig:
             saved in checkpoints and restored on resume, and written to ``RUN_DIR/ema.safetensors``
             after each epoch; monitoring a ``val_ema_`` column makes ``best.safetensors`` the EMA's.
         ema_every: optimizer steps between EMA updates.
+        ema_rule: when the average updates. ``"every"``: after optimizer steps N, 2N, 3N, ... of the
+            run (N = ``ema_every``), the first optimizer step's weights starting it. ``"torchvision"``:
+            after steps 1, 1 + N, 1 + 2N, ... of each epoch, as torchvision's classification reference
+            (``train.py``: ``i % model_ema_steps == 0``) updates its ``ExponentialMovingAverage``.
+        ema_warmup_epochs: for the first this many epochs every update copies the weights instead of
+            averaging them, and so does the first update after them: averaging starts there
+            (torchvision resets its average after each update of its learning-rate warm-up epochs).
+        ema_bn_batches: before the EMA weights are scored, recompute the batch-norm statistics they
+            go with over this many training batches (``torch.optim.swa_utils.update_bn``'s way: the
+            running means and variances as the averages over those batches, in train mode without
+            gradients), the live model's statistics put back after. ``0`` (the default) scores the
+            EMA weights with the live model's statistics; the run's header says when it is on.
         channels_last: the model's weights and every 4-D floating batch tensor (images) in
             channels-last memory order, which convolutions run faster in on GPUs with tensor cores.
             ``"auto"``: on for a model with 2-D convolutions on CUDA under bf16/fp16 autocast (1.7x
@@ -217,6 +229,9 @@ class TrainConfig:
     top_k: tuple[int, ...] = ()
     ema_decay: float | None = None
     ema_every: int = 1
+    ema_rule: str = "every"
+    ema_warmup_epochs: int = 0
+    ema_bn_batches: int = 0
     channels_last: bool | str = "auto"
     monitor: str | None = None
     monitor_mode: str | None = None
@@ -267,6 +282,9 @@ class TrainConfig:
                 "(0.999 is typical; torchvision's recipe uses 0.99998 per step), or None for no EMA"
             )
         _positive_int("ema_every", self.ema_every)
+        _choice("ema_rule", self.ema_rule, ("every", "torchvision"))
+        _positive_int("ema_warmup_epochs", self.ema_warmup_epochs, minimum=0)
+        _positive_int("ema_bn_batches", self.ema_bn_batches, minimum=0)
         if self.monitor_mode is not None:
             _choice("monitor_mode", self.monitor_mode, MONITOR_MODES)
         elif self.monitor is not None and monitor_mode_for(self.monitor) is None:

@@ -189,13 +189,15 @@ def test_callbacks_hear_each_point_of_the_run_with_host_values_and_can_stop_it(t
     kinds = [c[0] for c in rec.calls]
     assert kinds[0] == "fit_start" and rec.calls[0][1] is True and kinds[-1] == "fit_end"
     assert rec.calls[-1] == ("fit_end", 2)
-    # Per epoch of 6 steps logged every 2: intervals at steps 2 and 4, then the epoch's checkpoint
-    # and its end, whose row is the history's.
-    assert kinds[1:-1] == ["interval", "interval", "checkpoint", "epoch_end"] * 2
+    # Per epoch of 6 steps logged every 2: intervals at steps 2, 4 and the last, 6 (heard from the
+    # epoch-end read), then the epoch's checkpoint and its end, whose row is the history's.
+    assert kinds[1:-1] == ["interval", "interval", "interval", "checkpoint", "epoch_end"] * 2
     intervals = [c[1] for c in rec.calls if c[0] == "interval"]
-    assert [(v["epoch"], v["step"]) for v in intervals] == [(1, 2), (1, 4), (2, 2), (2, 4)]
+    assert [(v["epoch"], v["step"]) for v in intervals] == [(1, 2), (1, 4), (1, 6), (2, 2), (2, 4), (2, 6)]
     for v in intervals:
-        assert all(isinstance(v[k], float) for k in ("loss", "lr", "samples_per_s")), v
+        assert all(isinstance(v[k], float) for k in ("loss", "lr")), v
+    # The fit's first interval holds its warm-up steps: no rate; every later one has one.
+    assert intervals[0]["samples_per_s"] is None and all(isinstance(v["samples_per_s"], float) for v in intervals[1:])
     assert [c[1] for c in rec.calls if c[0] == "epoch_end"] == history
     checkpoints = [c for c in rec.calls if c[0] == "checkpoint"]
     assert all(exists for _, _, exists in checkpoints)
@@ -216,9 +218,10 @@ def test_progress_tensorboard_and_callbacks_show_the_same_interval_figures(tmp_p
     trainer.config = dataclasses.replace(trainer.config, tensorboard=True)
     trainer.fit(_data())
     intervals = [c[1] for c in rec.calls if c[0] == "interval"]
-    assert len(intervals) == 4
+    assert len(intervals) == 6
     for v in intervals:
-        assert f"epoch {v['epoch']} step {v['step']}/6  loss {v['epoch_loss']:.4f}" in caplog.text
+        if v["step"] < 6:  # the epoch's last interval is said by its epoch line
+            assert f"epoch {v['epoch']} step {v['step']}/6  loss {v['epoch_loss']:.4f}" in caplog.text
         assert v["nonfinite_steps"] == 0
     # The epoch mean so far and the interval's own mean differ after the first interval.
     assert intervals[1]["epoch_loss"] != pytest.approx(intervals[1]["loss"])

@@ -4,12 +4,17 @@
 skipped; no base class is needed):
 
 - ``on_fit_start(trainer)``: once, after the run header, before the first step;
-- ``on_interval(trainer, values)``: every ``log_every`` steps, with the interval's figures
-  (``epoch``, ``step``, ``global_step``, ``loss`` (the interval's mean), ``epoch_loss`` (the
-  epoch's mean so far), ``nonfinite_steps``, ``lr``, ``samples_per_s`` and, where counted,
-  ``tokens_per_s`` and ``mfu``) as Python numbers: the figures the progress line and TensorBoard
-  show, which are observers of the same points (:mod:`xlatrain.train.observers`). It runs when the Trainer's own deferred read of
-  the interval arrives, so it adds no device read: never read a tensor of the model in it;
+- ``on_epoch_start(trainer, epoch)``: before each epoch's first step, the epoch a resumed run
+  continues included, so a change a callback makes for an epoch (freezing a layer from epoch 3,
+  say) is made again after a resume;
+- ``on_interval(trainer, values)``: every ``log_every`` steps and at each epoch's last step, with
+  the interval's figures (``epoch``, ``step``, ``global_step``, ``loss`` (the interval's mean),
+  ``epoch_loss`` (the epoch's mean so far), ``nonfinite_steps``, ``lr`` (the rate the interval's
+  last step used), ``samples_per_s`` and, where counted, ``tokens_per_s`` and ``mfu``) as Python
+  numbers: the figures the progress line and TensorBoard show, which are observers of the same
+  points (:mod:`xlatrain.train.observers`). ``samples_per_s`` is ``None`` for an interval that holds
+  a warm-up step (the fit's first steps, which compile). It runs when the Trainer's own deferred
+  read of the interval arrives, so it adds no device read: never read a tensor of the model in it;
 - ``on_epoch_end(trainer, row)``: after each epoch, with its history row (the numbers
   ``history.json`` gets), once the row is written and the epoch's checkpoint saved;
 - ``on_checkpoint(trainer, path)``: after a checkpoint is complete on disk;
@@ -45,7 +50,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-HOOKS = ("on_fit_start", "on_interval", "on_epoch_end", "on_checkpoint", "on_fit_end")
+HOOKS = ("on_fit_start", "on_epoch_start", "on_interval", "on_epoch_end", "on_checkpoint", "on_fit_end")
 
 
 class Callbacks:
@@ -56,6 +61,14 @@ class Callbacks:
             callbacks = [callbacks]  # one callback object given bare
         objects = list(callbacks or [])
         for obj in objects:
+            # A method named like a hook that is not one (on_epoch_ends) would never be called.
+            strays = sorted(name for name in dir(obj) if name.startswith("on_") and name not in HOOKS
+                            and callable(getattr(obj, name, None)))
+            if strays:
+                raise TypeError(
+                    f"callbacks: {type(obj).__name__} has {', '.join(strays)}, which the Trainer never calls: the hooks "
+                    f"are {', '.join(HOOKS)}. Rename it to the hook meant, or to a name not starting with on_"
+                )
             if not any(callable(getattr(obj, hook, None)) for hook in HOOKS):
                 raise TypeError(
                     f"callbacks: {obj!r} has none of the methods {', '.join(HOOKS)}; a callback is an object with "

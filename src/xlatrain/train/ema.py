@@ -8,7 +8,8 @@ restored with it by every strategy's checkpoint.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 
@@ -17,18 +18,26 @@ EMA_WEIGHTS = "ema.safetensors"  # the EMA weights, written after each epoch
 
 
 class WeightAverage:
-    """``ema = decay * ema + (1 - decay) * weights`` on the device every ``every`` optimizer steps;
-    the first update copies the weights (as torchvision's ``AveragedModel`` does).
+    """``ema = decay * ema + (1 - decay) * weights`` on the device at the steps ``rule`` names; the
+    first update copies the weights (as torchvision's ``AveragedModel`` does), and so does every
+    update of the first ``warmup_epochs`` epochs.
+
+    Rules (``every`` = N): ``"every"`` updates after optimizer steps N, 2N, ... of the run, and after
+    the first one (which starts the average); ``"torchvision"`` after steps 1, 1 + N, 1 + 2N, ... of
+    each epoch, as torchvision's classification reference does.
 
     The first update waits for the optimizer's first step that ran (not one a gradient scaler
     skipped): an optimizer that builds its state at its first step (Adam) would take an entry made
     before as its state.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, decay: float, every: int) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, decay: float, every: int, rule: str = "every",
+                 warmup_epochs: int = 0) -> None:
         self.optimizer = optimizer
         self.decay = decay
         self.every = every
+        self.rule = rule
+        self.warmup_epochs = warmup_epochs
         self._stepped = False  # the optimizer has taken a step (and built its state)
         optimizer.register_step_post_hook(lambda *_: setattr(self, "_stepped", True))
         self.ready = self.restored()
@@ -45,14 +54,28 @@ class WeightAverage:
         return [(p, state[p][EMA_KEY]) for group in self.optimizer.param_groups for p in group["params"]
                 if EMA_KEY in state.get(p, {})]
 
-    def after_step(self, global_step: int) -> None:
-        """Called after each optimizer step (``global_step`` counts it)."""
-        if global_step % self.every == 0 or not self.ready:
-            self.update()
+    def after_step(self, global_step: int, epoch_step: int, epoch: int) -> None:
+        """Called after each optimizer step: ``global_step`` counts it over the run, ``epoch_step``
+        within ``epoch`` (both from 1)."""
+        if self.rule == "torchvision":
+            due, first_due_of_epoch = (epoch_step - 1) % self.every == 0, epoch_step == 1
+        else:
+            due = global_step % self.every == 0
+            first_due_of_epoch = (global_step - 1) // self.every == (global_step - epoch_step) // self.every
+        # The warm-up's reset (torchvision's n_averaged = 0) makes its updates copies, and the first
+        # update after it too: averaging starts from there.
+        copy = self.warmup_epochs > 0 and (epoch <= self.warmup_epochs
+                                           or (epoch == self.warmup_epochs + 1 and first_due_of_epoch))
+        if due or not self.ready:
+            self.update(copy=copy)
 
     @torch.no_grad()
-    def update(self) -> None:
+    def update(self, copy: bool = False) -> None:
         state = self.optimizer.state
+        if copy and self.ready:
+            for p, e in self.pairs():
+                e.copy_(p.detach())
+            return
         if not self.ready:
             if not self._stepped and not any(state.values()):
                 return
@@ -79,3 +102,36 @@ class WeightAverage:
             with torch.no_grad():
                 for (p, _), saved in zip(pairs, live):
                     p.detach().copy_(saved)
+
+
+@contextlib.contextmanager
+def recomputed_batch_norm(model: torch.nn.Module, batches: Iterable[Any], forward: Callable[[Any], Any]) -> Iterator[int]:
+    """Inside, the model's batch-norm layers hold statistics recomputed for its current weights
+    over ``batches`` (``torch.optim.swa_utils.update_bn``'s way: running statistics reset, each
+    layer's momentum None so they become plain averages, forward passes in train mode without
+    gradients); after, the statistics and momenta they had. Yields the batches used."""
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+    if not norms:
+        yield 0
+        return
+    saved = [(m, m.momentum, {n: b.detach().clone() for n, b in m._buffers.items() if b is not None}) for m in norms]
+    was_training = model.training
+    used = 0
+    try:
+        for m in norms:
+            m.reset_running_stats()
+            m.momentum = None
+        model.train()
+        with torch.no_grad():
+            for batch in batches:
+                forward(batch)
+                used += 1
+        model.train(was_training)
+        yield used
+    finally:
+        model.train(was_training)
+        with torch.no_grad():
+            for m, momentum, buffers in saved:
+                m.momentum = momentum
+                for n, b in buffers.items():
+                    m._buffers[n].copy_(b)

@@ -8,7 +8,7 @@ an epoch's row is final:
 
 - ``batches(batches, phase, epoch, first_step)``: wrap a pass's batch iterator (the diagnostics
   time the input wait); returns the iterator to use;
-- ``on_epoch_start(trainer, epoch, start_step, num_steps)`` / ``on_epoch_stop()``: around one
+- ``on_steps_start(trainer, epoch, start_step, num_steps)`` / ``on_steps_stop()``: around one
   epoch's training steps, the stop however the epoch ends (the progress bar);
 - ``on_step_start(index)`` / ``on_step_end(step, index, input_wait_s)``: around each training step,
   ``step`` within the epoch, ``index`` over the run (the trace; the bar);
@@ -36,8 +36,8 @@ if TYPE_CHECKING:
     from xlatrain.tensorboard import TensorBoardLog
 
 # Hooks the user's callbacks also hear, called after xlatrain's own observers.
-_PUBLIC = ("on_fit_start", "on_interval", "on_epoch_end", "on_checkpoint", "on_fit_end")
-_INTERNAL = ("on_epoch_start", "on_epoch_stop", "on_step_start", "on_step_end", "on_epoch_row",
+_PUBLIC = ("on_fit_start", "on_epoch_start", "on_interval", "on_epoch_end", "on_checkpoint", "on_fit_end")
+_INTERNAL = ("on_steps_start", "on_steps_stop", "on_step_start", "on_step_end", "on_epoch_row",
              "on_epoch_written", "on_run_end")
 
 
@@ -71,11 +71,11 @@ class Observers:
 
     @contextlib.contextmanager
     def epoch(self, trainer: Any, epoch: int, start_step: int, num_steps: int) -> Iterator[None]:
-        self.call("on_epoch_start", trainer, epoch, start_step, num_steps)
+        self.call("on_steps_start", trainer, epoch, start_step, num_steps)
         try:
             yield
         finally:
-            self.call("on_epoch_stop")
+            self.call("on_steps_stop")
 
 
 class ProgressObserver:
@@ -86,7 +86,7 @@ class ProgressObserver:
         self._progress: EpochProgress | None = None
         self.on_step_end: Callable[[int, int, float], None] | None = self._advance if interactive else None
 
-    def on_epoch_start(self, trainer: Any, epoch: int, start_step: int, num_steps: int) -> None:
+    def on_steps_start(self, trainer: Any, epoch: int, start_step: int, num_steps: int) -> None:
         self._progress = EpochProgress(
             epoch, num_steps, start_step, interactive=self._interactive, log=self._log, rate_note=self._rate_note,
         )
@@ -98,11 +98,13 @@ class ProgressObserver:
     def on_interval(self, trainer: Any, values: dict[str, Any]) -> None:
         # A read that lands after its epoch (CUDA runs pending reads at the epoch-end read) is not
         # shown: the epoch line follows.
-        if self._progress is not None and self._progress.epoch == values["epoch"]:
+        # The epoch's last step is said by the epoch line that follows it.
+        if self._progress is not None and self._progress.epoch == values["epoch"] \
+                and values["step"] < self._progress.num_steps:
             self._progress.show(values["step"], epoch_loss=values["epoch_loss"],
                                 samples_per_s=values["samples_per_s"], nonfinite=values["nonfinite_steps"])
 
-    def on_epoch_stop(self) -> None:
+    def on_steps_stop(self) -> None:
         if self._progress is not None:
             self._progress.close()
 

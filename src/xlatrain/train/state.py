@@ -187,6 +187,9 @@ RESUME_RULES: dict[str, str] = {
     "trainer.top_k": "continue",  # columns added or left out from here on
     "trainer.ema_decay": "continue",  # the average goes on with the new decay (or starts here)
     "trainer.ema_every": "continue",
+    "trainer.ema_rule": "continue",
+    "trainer.ema_warmup_epochs": "continue",
+    "trainer.ema_bn_batches": "continue",  # how the average is scored, not what it is
     "trainer.channels_last": "continue",  # a memory order: the same numbers
     "trainer.monitor": "error",
     "trainer.monitor_mode": "error",

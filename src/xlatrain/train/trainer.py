@@ -43,7 +43,7 @@ from xlatrain.train import perf, preflight, resumable
 from xlatrain.train.batch import collate, tree_map
 from xlatrain.train.callbacks import Callbacks
 from xlatrain.train.checks import check_arguments, check_dataset, check_pipeline_arguments, required_positional
-from xlatrain.train.ema import EMA_KEY, EMA_WEIGHTS, WeightAverage
+from xlatrain.train.ema import EMA_KEY, EMA_WEIGHTS, WeightAverage, recomputed_batch_norm
 from xlatrain.train.feed import TrainFeed, channels_last_choice, eval_batches, to_channels_last
 from xlatrain.train.losses import EvalLoss
 from xlatrain.train.metrics import EvalAccumulator, RowCollector, as_float, default_monitor, infer_task
@@ -271,9 +271,12 @@ class Trainer:
                 f"optimizer_fn returned a {type(self.optimizer).__name__}, not a torch.optim.Optimizer: it must build "
                 "the optimizer from the parameters it is given, e.g. functools.partial(torch.optim.AdamW, lr=1e-3)"
             )
-        self.optimizer, self._optimizer_note = fused_optimizer(self.optimizer)
+        # fp16's gradient scaler unscales before clipping; fused steps with a scaler measured wrong on the CPU.
+        self.optimizer, self._optimizer_note = fused_optimizer(self.optimizer) if cfg.precision != "fp16" \
+            else (self.optimizer, None)
         # The weights' moving average joins the optimizer's state once it has one.
-        self.ema = WeightAverage(self.optimizer, cfg.ema_decay, cfg.ema_every) if cfg.ema_decay is not None else None
+        self.ema = WeightAverage(self.optimizer, cfg.ema_decay, cfg.ema_every, cfg.ema_rule, cfg.ema_warmup_epochs) \
+            if cfg.ema_decay is not None else None
         if cfg.scale_lr and st.world_size > 1:
             before = [g["lr"] for g in self.optimizer.param_groups]
             for g in self.optimizer.param_groups:
@@ -288,6 +291,7 @@ class Trainer:
         self._scheduler_wants_run = scheduler_fn is not None and required_positional(scheduler_fn) >= 2
         self.scheduler = scheduler_fn(self.optimizer) if scheduler_fn is not None and not self._scheduler_wants_run else None
         self.history: list[dict[str, Any]] = []
+        self._step_lr: Any = None  # the learning rate the last training step used
         self._eval_loss: EvalLoss | None = None
         self._dir = RunDirectory(cfg.run_dir, self.strategy, self._say)  # chosen and locked by fit
         self._nonfinite: tuple[int, int, int, int] | None = None  # set by a deferred read
@@ -387,8 +391,9 @@ class Trainer:
             for epoch in range(first_epoch, cfg.epochs + 1):
                 cursor.epoch, cursor.step, cursor.epoch_done = epoch, start_step, False
                 lr, num_steps = self.optimizer.param_groups[0]["lr"], feed.steps_per_epoch
+                obs.call("on_epoch_start", self, epoch)  # every epoch, a resumed one included
                 ep = self._epoch_start(feed, epoch, start_step, warm=WARMUP_STEPS if epoch == first_epoch else 0)
-                last_logged, extra = start_step, False
+                extra = False
                 with obs.epoch(self, epoch, start_step, num_steps):  # the bar goes however the epoch ends
                     fetch_started = time.perf_counter()
                     for step, batch in enumerate(ep.batches, start=start_step + 1):
@@ -407,10 +412,10 @@ class Trainer:
                         if step % cfg.log_every == 0 and step < num_steps:
                             # A micro step is plotted at its coming optimizer step, so every point
                             # logged after a checkpoint at step T lies after T.
-                            show = self._interval(ep.meter, epoch, last_logged + 1, step,
+                            show = self._interval(ep.meter, epoch, ep.last_logged + 1, step,
                                                   cursor.global_step + (0 if last_micro else 1))
                             rt.defer(show, [st.all_reduce_mean(sums["loss"]), sums["nonfinite"]])
-                            last_logged = step
+                            ep.last_logged = step
                         if self._nonfinite is not None:
                             self._fail_nonfinite()
                         # Agreeing on a stop is a host collective when there are several processes,
@@ -421,7 +426,7 @@ class Trainer:
                         if last_micro and every is not None and cursor.global_step % every == 0 and step < num_steps:
                             resumable.save_checkpoint(self, cursor, sums)
                         fetch_started = time.perf_counter()
-                row = {"epoch": epoch, "lr": lr, **self._epoch_means(feed, cursor, sums, start_step, ep.clock, extra)}
+                row = {"epoch": epoch, "lr": lr, **self._epoch_means(feed, cursor, sums, start_step, ep, extra)}
                 if val_data is not None:
                     row.update(self._validate(val_data))
                 row["epoch_time_s"] = round(time.perf_counter() - ep.clock.started, 3)
@@ -486,6 +491,11 @@ class Trainer:
                               *([self._channels_last_note] if self._channels_last_note else [])]))
         if self._optimizer_note:
             self._say(self._optimizer_note)
+        if self.ema is not None:
+            self._say(f"EMA: decay {cfg.ema_decay}, rule {cfg.ema_rule!r} every {cfg.ema_every} step(s)"
+                      + (f", copying the weights for {cfg.ema_warmup_epochs} warm-up epoch(s)" if cfg.ema_warmup_epochs else "")
+                      + (f"; batch-norm statistics recomputed over {cfg.ema_bn_batches} training batch(es) before "
+                         "each EMA evaluation" if cfg.ema_bn_batches else ""))
         self._say(f"memory per device, before the first step: {self.memory_plan.summary()}")
         self._say(self.throughput.summary())
         self._note_sampler_length(feed)
@@ -540,16 +550,22 @@ class Trainer:
             batches=obs.batches(feed.batches(epoch, start_step), "train", epoch, start_step + 1), meter=meter,
             clock=clock, step_start=obs.hooks("on_step_start"), step_end=obs.hooks("on_step_end"),
             before=(epoch - 1) * feed.steps_per_epoch,  # the trace counts over the run
+            last_logged=start_step,
         )
 
     def _epoch_means(self, feed: TrainFeed, cursor: Cursor, sums: dict[str, torch.Tensor], first_step: int,
-                     clock: WarmupClock, extra: bool) -> dict[str, float]:
+                     ep: SimpleNamespace, extra: bool) -> dict[str, float]:
         """The epoch's mean loss and terms as history columns (``train_...``), read once, and its
-        rates over the steady window (the fit's first steps, which compile, left out)."""
+        rates over the steady window (the fit's first steps, which compile, left out). The epoch's
+        last interval is heard from the same read."""
+        clock = ep.clock
         cfg, rt, st = self.config, self.runtime, self.strategy
         ran = self._count_steps(feed, cursor, feed.steps_per_epoch, cursor.step, extra)
         names = [k for k in sums if k != "nonfinite"]
         *totals, bad = rt.read([*(st.all_reduce_mean(sums[k]) for k in names), sums["nonfinite"]])
+        if ep.last_logged < ran and ran > first_step:
+            self._interval(ep.meter, cursor.epoch, ep.last_logged + 1, ran, cursor.global_step)(
+                totals[names.index("loss")], bad)
         self._check_nonfinite(float(bad), cursor.epoch, 1, ran)
         good_steps = max(ran - float(bad) if cfg.nan_policy == "skip_step" else ran, 1)
         row = {"train_" + name.removeprefix("term."): float(total) / good_steps for name, total in zip(names, totals)}
@@ -562,10 +578,22 @@ class Trainer:
         """The epoch's validation columns (``val_...``), and the EMA weights' (``val_ema_...``)."""
         columns = {f"val_{k}": v for k, v in self.evaluate(val_data).items() if k != "num_samples"}
         if self.ema is not None:
-            with self.ema.swapped_in():
+            with self.ema.swapped_in(), self._ema_statistics():
                 metrics = self.evaluate(val_data)
             columns.update({f"val_ema_{k}": v for k, v in metrics.items() if k != "num_samples"})
         return columns
+
+    def _ema_statistics(self) -> contextlib.AbstractContextManager[Any]:
+        """``ema_bn_batches``: batch-norm statistics recomputed for the EMA weights over the first
+        training batches (unaugmented, as evaluation reads them), the live ones put back after."""
+        count = self.config.ema_bn_batches
+        if not count or self._feed is None:
+            return contextlib.nullcontext()
+        rows = min(count * self.config.batch_size, len(self._feed.dataset))
+        batches, _ = eval_batches(self.config, self.runtime, self.strategy, preflight._Head(self._feed.dataset, rows),
+                                  self._eval_collate)
+        return recomputed_batch_norm(self.model, (self._on_device(b, training=False) for b, _ in batches),
+                                     lambda batch: self.io.call(self._forward, batch))
 
     def _finish_epoch(self, row: dict[str, Any], cursor: Cursor, sums: dict[str, torch.Tensor]) -> None:
         """An epoch's bookkeeping, in the order a resume relies on: history and TensorBoard are
@@ -677,6 +705,7 @@ class Trainer:
         accum, guard = cfg.grad_accum_steps, cfg.nan_policy == "skip_step"
         batch = self._on_device(batch, training=True)
         targets = self.io.targets_of(batch)
+        self._step_lr = opt.param_groups[0]["lr"]
         rt.step_begin(((cfg.seed * 1_000_003 + cursor.epoch) * 1_000_003 + step) % 2**62)
         with contextlib.nullcontext() if last_micro else st.no_sync(model), _in_step(self, cursor, step) as where:
             with self.precision.autocast():
@@ -718,7 +747,7 @@ class Trainer:
                 self.scheduler.step()
             cursor.global_step += 1
             if self.ema is not None:
-                self.ema.after_step(cursor.global_step)
+                self.ema.after_step(cursor.global_step, step // accum, cursor.epoch)
         for name, value in (("loss", loss), *((f"term.{t}", v.detach().float()) for t, v in terms.items())):
             sums[name] = sums[name] + (torch.where(finite, value, 0.0) if guard else value)
         sums["nonfinite"] = sums["nonfinite"] + (~finite).float()
@@ -752,7 +781,7 @@ class Trainer:
     ) -> Callable[[torch.Tensor, torch.Tensor], None]:
         """The deferred read of one log interval: its figures to the observers (progress line or
         bar, TensorBoard, callbacks), and the NaN check."""
-        lr = self.optimizer.param_groups[0]["lr"]  # now: the read may run steps later
+        lr = self._step_lr  # the rate the interval's last step used (a schedule has moved it on since)
         if isinstance(lr, torch.Tensor) and lr.device.type != "cpu":
             lr = None  # a capturable optimizer keeps it on the device; not worth a read
 

@@ -1,0 +1,133 @@
+"""An EMA that follows the recipes people port (torchvision's update rule and warm-up, batch-norm
+statistics recomputed for the average), and callbacks whose changes survive a resume."""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from conftest import SCRIPTS
+from test_resume_with_workers import _kill_at
+from xlatrain import TrainConfig, Trainer
+from conftest import run_script
+
+N, BATCH, EPOCHS = 32, 4, 3
+
+
+def _data(n=N, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 6, generator=g)
+    return TensorDataset(x, (x[:, 0] + x[:, 1] > 0).long())
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 2))
+
+
+def _ema_trainer(tmp_path, **cfg):
+    return Trainer(
+        _model(), nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9, foreach=False),
+        config=TrainConfig(epochs=EPOCHS, batch_size=BATCH, run_dir=str(tmp_path), log_every=1000, tensorboard=False,
+                           ema_decay=0.8, ema_every=3, **cfg),
+        backend="cpu", sampler=list(range(N)),
+    )
+
+
+def _torchvision_reference(warmup_epochs):
+    """torchvision's references/classification/train.py, its EMA lines as they are written."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=False)
+    data = _data()
+    ema, n_averaged = None, 0
+    for epoch in range(EPOCHS):
+        for i, start in enumerate(range(0, N, BATCH)):
+            x, y = data[start:start + BATCH]
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if i % 3 == 0:  # model_ema.update_parameters(model)
+                weights = {k: p.detach().clone() for k, p in model.named_parameters()}
+                ema = weights if n_averaged == 0 else {k: 0.8 * ema[k] + 0.2 * weights[k] for k in weights}
+                n_averaged += 1
+                if epoch < warmup_epochs:  # reset the ema buffer to keep copying weights during warm-up
+                    n_averaged = 0
+    return ema
+
+
+@pytest.mark.parametrize("warmup", [0, 1])
+def test_the_torchvision_rule_and_warm_up_give_the_reference_average(tmp_path, warmup):
+    _ema_trainer(tmp_path, ema_rule="torchvision", ema_warmup_epochs=warmup).fit(_data())
+    saved = load_file(str(tmp_path / "ema.safetensors"))
+    expected = _torchvision_reference(warmup)
+    for k, v in expected.items():
+        torch.testing.assert_close(saved[k], v, rtol=1e-5, atol=1e-6)
+
+
+def test_batch_norm_statistics_recomputed_for_the_ema_weights_score_them_as_update_bn_does(tmp_path):
+    trainer = _ema_trainer(tmp_path, ema_bn_batches=2)
+    row = trainer.fit(_data(), _data(12, 1))[-1]
+    # By hand: the EMA weights, batch-norm statistics over the first 2 training batches as
+    # torch.optim.swa_utils.update_bn computes them, then the validation loss.
+    scored = _model()
+    scored.load_state_dict({**trainer.model.state_dict(), **load_file(str(tmp_path / "ema.safetensors"))}, strict=False)
+    loader = [_data()[i:i + BATCH] for i in range(0, 2 * BATCH, BATCH)]
+    torch.optim.swa_utils.update_bn(((x, y) for x, y in loader), scored)
+    scored.eval()
+    with torch.no_grad():
+        vx, vy = _data(12, 1).tensors
+        expected = float(nn.functional.cross_entropy(scored(vx), vy))
+    assert row["val_ema_loss"] == pytest.approx(expected, rel=1e-5)
+    # ... and the live model's statistics are put back: the next epoch trains on them.
+    live = trainer.model[1]
+    assert not torch.equal(live.running_mean, scored[1].running_mean)
+
+
+def test_a_freeze_made_in_on_epoch_start_survives_a_kill_and_resume(tmp_path):
+    script = str(SCRIPTS / "freeze_fit.py")
+    whole = run_script([sys.executable, script, str(tmp_path / "whole")])
+    cut = tmp_path / "cut"
+    _kill_at([sys.executable, script, str(cut), "0.02"], "epoch 2 step 7/")
+    resumed = run_script([sys.executable, script, str(cut)])
+    assert [r["train_loss"] for r in resumed] == [r["train_loss"] for r in whole]
+    a, b = load_file(str(cut / "final.safetensors")), load_file(str(tmp_path / "whole" / "final.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # The first layer stopped moving after epoch 1 in both; the last one trained on.
+    first = load_file(str(tmp_path / "whole" / "epoch1.safetensors"))
+    assert torch.equal(a["0.weight"], first["0.weight"]) and not torch.equal(a["2.weight"], first["2.weight"])
+
+
+def test_a_callback_method_named_like_a_hook_that_is_none_is_refused_naming_the_hooks(tmp_path):
+    class Typo:
+        def on_epoch_ends(self, trainer, row):
+            pass
+
+    with pytest.raises(TypeError, match=r"on_epoch_ends, which the Trainer never calls: the hooks are on_fit_start, "
+                                        r"on_epoch_start, on_interval, on_epoch_end"):
+        _ema_trainer(tmp_path).__class__(_model(), nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1),
+                                         callbacks=[Typo()], backend="cpu")
+
+
+def test_on_interval_fires_at_each_epoch_last_step_with_the_rate_that_step_used(tmp_path):
+    seen = []
+
+    class Rates:
+        def on_interval(self, trainer, values):
+            seen.append((values["epoch"], values["step"], values["lr"]))
+
+    Trainer(_model(), nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1),
+            scheduler_fn=functools.partial(torch.optim.lr_scheduler.LambdaLR, lr_lambda=lambda s: 1.0 / (s + 1)),
+            config=TrainConfig(epochs=2, batch_size=BATCH, run_dir=str(tmp_path), log_every=3, tensorboard=False,
+                               scheduler_interval="step"),
+            backend="cpu", callbacks=[Rates()]).fit(_data())
+    # 8 steps an epoch, logged every 3: steps 3, 6 and the last, 8; the rate each of those steps used.
+    assert [(e, s) for e, s, _ in seen] == [(1, 3), (1, 6), (1, 8), (2, 3), (2, 6), (2, 8)]
+    for epoch, step, lr in seen:
+        assert lr == pytest.approx(0.1 / ((epoch - 1) * 8 + step))
