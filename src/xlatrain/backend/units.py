@@ -37,9 +37,24 @@ def repeated_classes(model: torch.nn.Module) -> set[type]:
     return {cls for cls, n in counts.items() if n >= 2}
 
 
+def _outermost(model: torch.nn.Module, match: Callable[[torch.nn.Module], bool]) -> list[tuple[str, torch.nn.Module]]:
+    found: list[tuple[str, torch.nn.Module]] = []
+    for name, module in model.named_modules():
+        if module is model or any(name.startswith(u + ".") for u, _ in found):
+            continue
+        if match(module):
+            found.append((name, module))
+    return found
+
+
 def _matcher(model: torch.nn.Module, policy: UnitPolicy) -> Callable[[torch.nn.Module], bool]:
     if policy is None:
         classes = repeated_classes(model)
+        # A class repeated only inside the blocks (a norm in every transformer layer) is not a block
+        # of its own where it also stands once outside them (the final norm): keep the classes
+        # that are outermost at least twice.
+        outer = collections.Counter(type(m) for _, m in _outermost(model, lambda m: type(m) in classes))
+        classes = {cls for cls in classes if outer[cls] >= 2}
         return lambda m: type(m) in classes
     if callable(policy) and not isinstance(policy, type):
         return policy
@@ -65,14 +80,7 @@ def _matcher(model: torch.nn.Module, policy: UnitPolicy) -> Callable[[torch.nn.M
 
 def find_units(model: torch.nn.Module, policy: UnitPolicy = None) -> list[tuple[str, torch.nn.Module]]:
     """``(name, module)`` of the outermost submodules ``policy`` picks, in module order."""
-    match = _matcher(model, policy)
-    units: list[tuple[str, torch.nn.Module]] = []
-    for name, module in model.named_modules():
-        if module is model or any(name.startswith(u + ".") for u, _ in units):
-            continue
-        if match(module):
-            units.append((name, module))
-    return units
+    return _outermost(model, _matcher(model, policy))
 
 
 def apply_activation_checkpointing(

@@ -87,8 +87,7 @@ def resume(trainer: Trainer, resume: bool | str) -> tuple[Cursor, dict[str, torc
             "augmentation) continue from a seed of the step, not from the saved streams"
         )
     sums = {k: torch.tensor(v, dtype=torch.float32).to(rt.device) for k, v in mine.items()}
-    epoch, step = cursor.next_position()
-    trainer._say(f"resumed from {path}: continuing at epoch {epoch}, step {step} (optimizer step {cursor.global_step})")
+    trainer._resumed_from = path  # said once it is known that there is something left to train
     return cursor, sums
 
 

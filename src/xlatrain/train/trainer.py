@@ -292,6 +292,7 @@ class Trainer:
         self.scheduler = scheduler_fn(self.optimizer) if scheduler_fn is not None and not self._scheduler_wants_run else None
         self.history: list[dict[str, Any]] = []
         self._step_lr: Any = None  # the learning rate the last training step used
+        self._resumed_from: Path | None = None  # the checkpoint this fit continues (set by resume)
         self._eval_loss: EvalLoss | None = None
         self._dir = RunDirectory(cfg.run_dir, self.strategy, self._say)  # chosen and locked by fit
         self._nonfinite: tuple[int, int, int, int] | None = None  # set by a deferred read
@@ -469,7 +470,7 @@ class Trainer:
             per_epoch = feed.steps_per_epoch // cfg.grad_accum_steps
             shape = RunShape(total_steps=per_epoch * cfg.epochs, steps_per_epoch=per_epoch, epochs=cfg.epochs)
             self.scheduler = self._scheduler_fn(self.optimizer, shape)
-        self._start_loss_sum = None
+        self._start_loss_sum, self._resumed_from = None, None
         cursor, sums = resumable.resume(self, resume)
         self.history = cursor.history
         if self.ema is not None:  # a resumed run's averages came back with the optimizer's state
@@ -509,6 +510,10 @@ class Trainer:
                 f"all {cfg.epochs} epoch(s) of this run are done: nothing to train. Raise epochs to train "
                 "on, or start over (resume=False; --fresh on the command line)."
             )
+        elif self._resumed_from is not None:
+            epoch, step = cursor.next_position()
+            self._say(f"resumed from {self._resumed_from}: continuing at epoch {epoch}, step {step} (optimizer step "
+                      f"{cursor.global_step})")
         return feed, cursor, sums
 
     def _run_observers(self, run: contextlib.ExitStack, cursor: Cursor, first_epoch: int) -> Observers:
