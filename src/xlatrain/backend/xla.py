@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator, MutableMapping, Sequence
@@ -83,7 +84,66 @@ def spawn(fn: Callable[..., Any], args: tuple[Any, ...] = (), devices: int | Non
     configure_runtime(devices)
     import torch_xla.distributed.xla_multiprocessing as xmp
 
-    xmp.spawn(fn, args=args)
+    with forwarding_stop_signals():
+        xmp.spawn(functools.partial(_stoppable, fn), args=args)
+
+
+def _stoppable(fn: Callable[..., Any], index: int, *args: Any) -> None:
+    """``fn`` in a process of torch_xla's pool: a run stopped by SIGTERM ends with SystemExit(0),
+    which would break the pool (torch_xla reports the process as terminated abruptly); it returns
+    instead, so the launch exits 0 as the process did."""
+    try:
+        fn(index, *args)
+    except SystemExit as exc:
+        if exc.code not in (0, None):
+            raise
+
+
+@contextlib.contextmanager
+def forwarding_stop_signals() -> Iterator[None]:
+    """While the processes it started train, the launching process passes a SIGTERM or SIGINT it
+    gets on to them and waits for them, instead of dying first and leaving them running.
+
+    torch_xla runs each process's training in a thread of its own (thread per device), where no
+    signal handler can be installed: a forwarded SIGTERM ends a process without a checkpoint of
+    its step, the launch then fails (exit 1), ``status.json`` still says ``running``, and the same
+    command resumes from the last periodic or epoch checkpoint. A stop a peer agreed on (raised
+    as SystemExit(0) in its thread) ends that process cleanly (see :func:`_stoppable`)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def forward(signum: int, frame: Any) -> None:
+        for pid, cmdline in _children():
+            if "resource_tracker" not in cmdline:  # multiprocessing's helper, not a training process
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _children() -> list[tuple[int, str]]:
+    """(pid, command line) of this process's direct children, from /proc (TPU hosts run Linux)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = open(f"/proc/{entry}/stat").read()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            if ppid == os.getpid():
+                found.append((int(entry), open(f"/proc/{entry}/cmdline").read().replace("\0", " ")))
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile, or not ours to read
+    return found
 
 
 class XlaRuntime:

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -188,10 +189,12 @@ def preempt(trainer: Trainer, cursor: Cursor, sums: dict[str, torch.Tensor], sto
     path = save_checkpoint(trainer, cursor, sums) if trainer.checkpoint.enabled else None
     if trainer.strategy.is_main:
         write_history(trainer.run_dir, trainer.history)
+    name = signal.Signals(stop.signum).name if stop.signum else "a stop requested on another process"
+    trainer._dir.write_status("preempted", signal=name, checkpoint=path.name if path else None,
+                              epoch=cursor.epoch, step=cursor.step)
     trainer.strategy.barrier()
     # A process that was not signalled stops because a peer was: every process stops at this
     # same step, and only a Ctrl-C (SIGINT) of this process makes its exit code non-zero.
-    name = signal.Signals(stop.signum).name if stop.signum else "a stop requested on another process"
     trainer._say(
         f"{name}: stopped after epoch {cursor.epoch} step {cursor.step}"
         + (f"; checkpoint {path}" if path else "")
@@ -236,8 +239,12 @@ def resharded_sums(per_process: list[dict[str, float]], index: int, count: int) 
     return out
 
 
+DUPLICATE_S = 1.0  # a second stop signal this soon after the first is the same one delivered twice
+
+
 class StopSignals:
-    """SIGTERM / SIGINT ask the loop to stop after the current step; a second one exits at once.
+    """SIGTERM / SIGINT ask the loop to stop after the current step; a second one exits at once
+    (one within a second of the first is taken for the same request delivered twice).
 
     Only the main thread can install handlers; elsewhere (e.g. a notebook's worker thread) the
     run keeps Python's defaults.
@@ -245,6 +252,7 @@ class StopSignals:
 
     def __init__(self, say: Callable[[str], None]) -> None:
         self.signum: int | None = None
+        self._at = 0.0
         self._previous: dict[int, Any] = {}
         self._say = say
 
@@ -254,8 +262,10 @@ class StopSignals:
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.signum is not None:
+            if signum == self.signum and time.monotonic() - self._at < DUPLICATE_S:
+                return  # the same request twice: a launcher forwarded what the process group also got
             os._exit(128 + signum)  # files are written atomically: nothing is left torn
-        self.signum = signum
+        self.signum, self._at = signum, time.monotonic()
         name = signal.Signals(signum).name
         self._say(f"{name}: finishing this step, then saving a checkpoint; a second {name} stops at once")
 

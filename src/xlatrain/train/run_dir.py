@@ -8,9 +8,13 @@ at once and a run directory a refused fit created is gone again.
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import shutil
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 import torch
 
 from xlatrain import storage
@@ -22,7 +26,8 @@ from xlatrain.storage.remote_run import RemoteRun
 
 # What xlatrain writes into a run directory: what resume="overwrite" removes (nothing else is).
 RUN_FILES = ("checkpoints", "history.json", "history.csv", "best.safetensors", "diagnostics.json", "tb", "profile",
-             "report", "config.yaml", "model.safetensors", "loss.png")
+             "report", "config.yaml", "model.safetensors", "loss.png", "status.json", "ema.safetensors")
+STATUS_FILE = "status.json"  # how the last fit here ended, for a requeue script to read
 
 
 class RunDirectory:
@@ -125,6 +130,21 @@ class RunDirectory:
             if self._lock is not None:
                 self._lock.release()
                 self._lock = None
+
+    def write_status(self, state: str, **fields: Any) -> None:
+        """``RUN_DIR/status.json`` (main process, atomic): ``running`` while a fit trains (still there
+        after a kill -9 or a crash that could not write), ``preempted`` once a stop signal's checkpoint
+        is complete (with its name: the same command resumes from it), ``finished``, or ``failed``
+        (with the error). A requeue script reads ``state``; the launcher's exit status alone does not
+        tell (torchrun exits 1 after forwarding a SIGTERM its workers handled)."""
+        if not self._strategy.is_main or not self.path.is_dir():
+            return
+        from xlatrain.checkpoint import atomic_write_text
+
+        record = {"state": state, "time": round(time.time(), 3), "pid": os.getpid(), **fields}
+        atomic_write_text(self.path / STATUS_FILE, json.dumps(record, indent=1) + "\n")
+        if self.remote is not None and self.remote.lost_to is None:
+            storage.upload(self.path / STATUS_FILE, f"{self.remote.url}/{STATUS_FILE}")
 
     def publish(self, *names: str) -> None:
         """Files written into the run directory after ``fit`` go up to its object-storage URL too."""

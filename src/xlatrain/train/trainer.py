@@ -369,7 +369,12 @@ class Trainer:
         try:
             history = self._fit(train_data, val_data, resume)
             failed = False
+            self._dir.write_status("finished", epochs=len(history))
             return history
+        except Exception as exc:
+            if self._dir.path.is_dir() and any(self._dir.path.iterdir()):
+                self._dir.write_status("failed", error=f"{type(exc).__name__}: {str(exc)[:2000]}")
+            raise
         finally:
             if self._feed is not None:
                 self._feed.close()
@@ -383,8 +388,8 @@ class Trainer:
         first_epoch, start_step = cursor.next_position()
         if first_epoch > cfg.epochs or self._patience_spent(cursor):
             return self.history  # a finished run: every file stays as it is
-        every = self.checkpoint.every_steps if self.checkpoint.enabled else None
-        accum = cfg.grad_accum_steps
+        every, accum = self.checkpoint.every_steps if self.checkpoint.enabled else None, cfg.grad_accum_steps
+        self._dir.write_status("running", epoch=first_epoch, step=start_step)
         with contextlib.ExitStack() as run:
             obs = self._observers = self._run_observers(run, cursor, first_epoch)
             stop = run.enter_context(StopSignals(self._say))
