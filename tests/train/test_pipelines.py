@@ -241,7 +241,8 @@ class _TermAt(torch.utils.data.Dataset):
 
 
 def test_early_stopping_resumes_after_a_sigterm_and_stops_where_an_uninterrupted_run_does(tmp_path):
-    cfg = {"epochs": 10, "monitor": "train_loss", "monitor_mode": "max", "early_stop_patience": 2}
+    # Items are read in this process (num_workers=0): the dataset signals the process that reads it.
+    cfg = {"epochs": 10, "monitor": "train_loss", "monitor_mode": "max", "early_stop_patience": 2, "num_workers": 0}
     whole = _linear_trainer(tmp_path / "whole", **cfg).fit(_xy())
     # 10 steps of 4 items per epoch: read 60 falls in epoch 2, after epoch 1 made its best.
     with pytest.raises(SystemExit) as stop:

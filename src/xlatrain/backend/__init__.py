@@ -9,6 +9,7 @@ CPU, CUDA and TorchTPU, ``xla.py`` for torch_xla) and a Strategy (how the model 
 from __future__ import annotations
 
 import importlib.util
+import os
 from typing import TYPE_CHECKING, Any
 
 from xlatrain.backend.errors import BackendUnavailableError
@@ -89,6 +90,24 @@ def select_backend(
                            activation_checkpointing)
 
 
+def torchrun_command(processes: int, argv: list[str] | None = None) -> str:
+    """The command that runs this one as ``processes`` torchrun processes: ``xlatrain``'s own
+    command line as its module (torchrun runs a module or a script, not a console entry point)."""
+    import shlex
+    import sys
+
+    argv = list(sys.argv if argv is None else argv)
+    program = argv[0] if argv else "your_script.py"
+    name = os.path.basename(program)
+    if name in ("xlatrain", "cli.py", "__main__.py") or program.endswith(("xlatrain/cli.py", "xlatrain/__main__.py")):
+        target = ["-m", "xlatrain.cli"]
+    elif program in ("-c", ""):
+        target = ["your_script.py"]
+    else:
+        target = [program]
+    return " ".join(["torchrun", "--nproc-per-node", str(processes), *target, *map(shlex.quote, argv[1:])])
+
+
 def _native_backend(
     device_type: str, devices: int | None, strategy: str, units: UnitPolicy, activation_checkpointing: bool
 ) -> Backend:
@@ -99,7 +118,7 @@ def _native_backend(
     world = launched_world_size()
     if devices is not None and devices != world:
         hint = (
-            f"launch it with `torchrun --nproc-per-node {devices} your_script.py`"
+            f"launch it with `{torchrun_command(devices)}`"
             if devices > 1
             else "leave devices unset under torchrun"
         )

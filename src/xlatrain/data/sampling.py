@@ -171,6 +171,19 @@ class UserSampler(Sampler[int]):
         _check_layout(num_processes, process_index, loader_batch)
         # A class or a function builds each process's own sampler; an instance is the shared order.
         self.per_process = isinstance(sampler, type) or (callable(sampler) and not hasattr(sampler, "__iter__"))
+        replicas = getattr(sampler, "num_replicas", None)
+        if not self.per_process and isinstance(replicas, int) and replicas > 1:
+            # An instance built for one process of several (a tutorial's DistributedSampler): the
+            # Trainer would split its share again, and train on a fraction of the data.
+            total = len(dataset)
+            raise ValueError(
+                f"sampler={type(sampler).__name__}(num_replicas={replicas}, rank={getattr(sampler, 'rank', '?')}) "
+                f"gives one process's share of the data, about {-(-total // replicas)} of {total} samples, and this "
+                f"run has {num_processes} process(es): it would train on that share alone, split again. Pass the "
+                f"class or a factory instead (sampler={type(sampler).__name__}, or functools.partial("
+                f"{type(sampler).__name__}, shuffle=True)): the Trainer builds one per process with the run's count "
+                "and rank"
+            )
         self.sampler = sampler(dataset, num_replicas=num_processes, rank=process_index) if self.per_process else sampler
         if not hasattr(self.sampler, "__iter__"):
             raise TypeError(

@@ -4,9 +4,10 @@ problem and the fix."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -217,3 +218,58 @@ def check_task(task: str, outputs: Any, targets: Any, top_k: Sequence[int] = (),
                 "task='multilabel' reports per-label AUC from [batch, labels] logits and targets of the same shape, "
                 f"but the model returned {shape(outputs)} and the targets are {shape(targets)}: {fix}"
             )
+
+
+_TARGET_OUT_OF_BOUNDS = re.compile(r"Target (-?\d+) is out of bounds")
+
+
+def error_hints(exc: BaseException, trainer: Any, indices: list[int] | None = None, outputs: Any = None,
+                targets: Any = None) -> list[str]:
+    """What xlatrain can add to an error the model or the loss raised, where it knows the cause:
+    a class index beyond the model's outputs (which sample, how many classes), channels-last
+    memory order under a ``.view`` (the fix)."""
+    text = str(exc)
+    hints = []
+    found = _TARGET_OUT_OF_BOUNDS.search(text)
+    if found and isinstance(outputs, torch.Tensor) and outputs.dim() >= 2:
+        bad, classes = int(found.group(1)), int(outputs.shape[1])
+        where = ""
+        if isinstance(targets, torch.Tensor) and targets.dim() >= 1:
+            rows = (targets.detach().reshape(targets.shape[0], -1) == bad).any(dim=1).nonzero().flatten().tolist()
+            if rows:
+                row = rows[0]
+                where = (f"; sample {indices[row]} of the dataset holds it" if indices and row < len(indices)
+                         else f"; row {row} of the batch holds it")
+        hints.append(
+            f"xlatrain: class index {bad} is outside 0..{classes - 1}: the model has {classes} outputs{where}. Give the "
+            f"model's last layer one output per class (num_outputs), or map the labels to 0..{classes - 1} in the dataset"
+        )
+    if "view size is not compatible" in text and getattr(trainer, "channels_last", False):
+        hints.append(
+            "xlatrain: channels_last is on (TrainConfig(channels_last='auto') on CUDA under bf16/fp16, or True): the "
+            "model's images are in channels-last memory order, which .view() cannot flatten. Use .reshape() or "
+            "torch.flatten() in the model, or set channels_last=False"
+        )
+    return hints
+
+
+@contextlib.contextmanager
+def in_step(trainer: Any, cursor: Any, step: int) -> Iterator[list[Any]]:
+    """An error raised in a training step keeps its traceback and says where: epoch, step, which
+    function (the model, the loss, backward) and, for a map-style dataset, the batch's samples."""
+    where: list[Any] = ["forward"]
+    try:
+        yield where
+    except Exception as exc:
+        if hasattr(exc, "add_note"):
+            indices = trainer._feed.sample_indices(cursor.epoch, step) if trainer._feed is not None else None
+            for hint in error_hints(exc, trainer, indices, *where[1:]):
+                exc.add_note(hint)
+                indices = None  # the hint names the sample that matters
+            what = {"forward": f"the model's forward ({type(trainer.strategy.unwrap(trainer.model)).__name__})",
+                    "loss": f"loss_fn {trainer.loss_fn!r}"}.get(where[0], where[0])
+            exc.add_note(
+                f"xlatrain: raised in {what} at epoch {cursor.epoch} step {step}"
+                + (f"; this process's batch holds the dataset's sample indices {indices}" if indices else "")
+            )
+        raise

@@ -169,6 +169,35 @@ class TrainFeed:
         self._loader = data_loader(cfg, runtime, dataset, self.sampler, collate_fn, num_workers=self.num_workers,
                                    process_index=st.process_index)
 
+    def length_note(self) -> str | None:
+        """A user's sampler whose length is not what it gives: the steps come from what it gives."""
+        sampler = self.sampler
+        if not isinstance(sampler, UserSampler):
+            return None
+        says, gives = sampler.announced(), sampler.given()
+        if says is None or says == gives:
+            return None
+        return (f"note: the sampler's len() is {says} but it gave {gives} indices in epoch 1"
+                + (" on this process" if sampler.per_process else "")
+                + f": the Trainer runs the {self.steps_per_epoch} step(s) per epoch those make, and sizes the "
+                "schedule by them")
+
+    def steps_that_ran(self, epoch: int, step_done: int, extra: bool, *, user_sampler: bool) -> tuple[int, str | None]:
+        """The steps this epoch ran, and a warning where they are not the announced count (the
+        loss mean and the rates are over the steps that ran)."""
+        announced = self.steps_per_epoch
+        if step_done == announced and not extra:
+            return announced, None
+        source = "the sampler" if user_sampler else f"{type(self.dataset).__name__}.train_batches"
+        return step_done, (
+            f"warning: epoch {epoch} ran {step_done} step(s), but {announced} were announced from the data's "
+            f"length: {source} gave {'more' if extra else 'fewer'} batches. The epoch's train_loss is "
+            f"the mean over the {step_done} that ran"
+            + (f"; the batches after step {announced} were not trained on" if extra else "")
+            + "; a schedule sized by run.total_steps assumed the announced count. Give the data a length that "
+            "matches what it yields"
+        )
+
     def close(self) -> None:
         """Stop the loader's persistent workers now, not at interpreter exit (where a worker that
         the exit handlers terminate first is reported by the loader as killed)."""

@@ -17,6 +17,7 @@ from xlatrain.train.batch import tree_map
 from xlatrain.data.source import BatchSource
 from xlatrain.train.checks import (
     check_class_outputs,
+    error_hints,
     check_class_targets,
     check_task,
     refuse_broadcast_loss,
@@ -122,6 +123,8 @@ def _training_batch(trainer: Trainer, train_data: Any) -> tuple[perf.StepProfile
         raise ValueError(f"a dry run on one training batch, before training: {exc}") from None
     except Exception as exc:  # the user's model or loss failed: keep its own error, say where
         if hasattr(exc, "add_note"):
+            for hint in error_hints(exc, trainer):
+                exc.add_note(hint)
             exc.add_note(
                 f"xlatrain: raised in a dry run on one training batch, before training: {_who(trainer)}, batch "
                 f"{shapes(batch)} (a forward pass in train mode with gradients{'' if flops else ' and its backward'}, "

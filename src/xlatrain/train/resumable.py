@@ -16,6 +16,8 @@ import torch
 
 from xlatrain.checkpoint import (
     SHARDS_DIR,
+    CheckpointError,
+    list_checkpoints,
     SHARDS_INDEX,
     distinct_weights,
     find_resumable,
@@ -225,7 +227,17 @@ def explicit_checkpoint(path: Path, group: Any) -> tuple[Path, dict[str, torch.T
             f"resume={str(path)!r} is not a checkpoint (no meta.json in it): give a checkpoint directory "
             "(RUN_DIR/checkpoints/step-NNNNNNNN) or a run directory"
         )
-    tensors, meta = read_checkpoint(path)
+    try:
+        tensors, meta = read_checkpoint(path)
+    except CheckpointError as exc:
+        older = [p.name for p in list_checkpoints(path.parent) if p.name < path.name] if path.parent.name == "checkpoints" else []
+        raise CheckpointError(
+            f"resume={str(path)!r}: {exc}. Nothing was changed. To go on: resume from "
+            + (f"an older checkpoint (--resume {path.parent / older[-1]}; this run directory holds "
+               f"{', '.join(older)}), " if older else "")
+            + f"the run directory (--resume {path.parent.parent if path.parent.name == 'checkpoints' else path.parent}: "
+            "its newest checkpoint that loads), or start fresh (--fresh; fit(resume=False))"
+        ) from None
     return path, tensors, meta
 
 

@@ -30,7 +30,6 @@ from xlatrain.backend.model_state import fused_optimizer, has_meta_tensors
 from xlatrain.backend.precision import Precision
 from xlatrain.checkpoint import latest_name, write_weights
 from xlatrain.config import BackendConfig, CheckpointConfig, TrainConfig, monitor_mode_for
-from xlatrain.data.sampling import UserSampler
 from xlatrain.data.source import BatchSource
 from xlatrain.diagnostics.compile import CompileWatch
 from xlatrain.diagnostics.profile import StepTrace
@@ -42,7 +41,13 @@ from xlatrain.tensorboard import TensorBoardLog
 from xlatrain.train import perf, preflight, resumable
 from xlatrain.train.batch import collate, tree_map
 from xlatrain.train.callbacks import Callbacks
-from xlatrain.train.checks import check_arguments, check_dataset, check_pipeline_arguments, required_positional
+from xlatrain.train.checks import (
+    check_arguments,
+    check_dataset,
+    check_pipeline_arguments,
+    in_step,
+    required_positional,
+)
 from xlatrain.train.ema import EMA_KEY, EMA_WEIGHTS, WeightAverage, recomputed_batch_norm
 from xlatrain.train.feed import TrainFeed, channels_last_choice, eval_batches, to_channels_last
 from xlatrain.train.losses import EvalLoss
@@ -504,7 +509,9 @@ class Trainer:
                          "each EMA evaluation" if cfg.ema_bn_batches else ""))
         self._say(f"memory per device, before the first step: {self.memory_plan.summary()}")
         self._say(self.throughput.summary())
-        self._note_sampler_length(feed)
+        note = feed.length_note()
+        if note:
+            self._say(note)
         if self._patience_spent(cursor):
             self._say(
                 f"this run stopped early after epoch {cursor.epoch} ({self.monitor} last improved in epoch "
@@ -570,7 +577,11 @@ class Trainer:
         last interval is heard from the same read."""
         clock = ep.clock
         cfg, rt, st = self.config, self.runtime, self.strategy
-        ran = self._count_steps(feed, cursor, feed.steps_per_epoch, cursor.step, extra)
+        ran, warning = feed.steps_that_ran(cursor.epoch, cursor.step, extra, user_sampler=self._sampler is not None)
+        if warning:
+            if ran % cfg.grad_accum_steps:  # an accumulation group cut short: its gradients never reach a step
+                self.optimizer.zero_grad(set_to_none=True)
+            self._say(warning)
         names = [k for k in sums if k != "nonfinite"]
         *totals, bad = rt.read([*(st.all_reduce_mean(sums[k]) for k in names), sums["nonfinite"]])
         if ep.last_logged < ran and ran > first_step:
@@ -717,10 +728,10 @@ class Trainer:
         targets = self.io.targets_of(batch)
         self._step_lr = opt.param_groups[0]["lr"]
         rt.step_begin(((cfg.seed * 1_000_003 + cursor.epoch) * 1_000_003 + step) % 2**62)
-        with contextlib.nullcontext() if last_micro else st.no_sync(model), _in_step(self, cursor, step) as where:
+        with contextlib.nullcontext() if last_micro else st.no_sync(model), in_step(self, cursor, step) as where:
             with self.precision.autocast():
                 outputs = self.io.call(self._forward, batch)
-                where[0] = "loss"  # described only if it raises: a loss's repr can be long to build
+                where[:] = ["loss", outputs, targets]  # described only if it raises: a loss's repr can be long
                 loss, terms = self.io.loss(outputs, targets)  # shapes only: no sync
                 where[0] = "backward"
             if not loss.requires_grad:  # host metadata: no device read
@@ -770,13 +781,23 @@ class Trainer:
         ``train_batch_transform``). A transform that returns nothing is named as the culprit."""
         if self.channels_last:
             batch = tree_map(to_channels_last, batch)
+        pairs = not self.io.own_loss and self.io.layout is not None and not self.io.layout.keyed
+        maker = ("collate_fn", self._collate if training else self._eval_collate)
         for name, transform in (("batch_transform", self._batch_transform),
                                 ("train_batch_transform", self._train_batch_transform if training else None)):
             if transform is not None:
+                if pairs and not _is_pair(batch):
+                    break  # the batch was no pair before this transform: named below
+                maker = (name, transform)
                 batch = transform(batch)
                 if batch is None:
                     raise ValueError(f"{name} {transform!r} returned None: it must return the batch it was given, "
                                      "transformed (e.g. return inputs, targets)")
+        if pairs and not _is_pair(batch) and maker[1] is not collate:
+            raise ValueError(
+                f"{maker[0]} {maker[1]!r} made a {type(batch).__name__}, not an (inputs, targets) pair: return both "
+                "(e.g. return inputs, targets), or give the Trainer inputs=/targets= names for a mapping"
+            )
         return batch
 
     def _new_sums(self) -> dict[str, torch.Tensor]:
@@ -812,41 +833,6 @@ class Trainer:
         return show
 
     # --- what the loop says and decides --------------------------------------------------------
-    def _note_sampler_length(self, feed: TrainFeed) -> None:
-        """A user's sampler whose length is not what it gives: the steps come from what it gives."""
-        sampler = feed.sampler
-        if not isinstance(sampler, UserSampler):
-            return
-        says, gives = sampler.announced(), sampler.given()
-        if says is not None and says != gives:
-            self._say(
-                f"note: the sampler's len() is {says} but it gave {gives} indices in epoch 1"
-                + (" on this process" if sampler.per_process else "")
-                + f": the Trainer runs the {feed.steps_per_epoch} step(s) per epoch those make, and sizes the "
-                "schedule by them"
-            )
-
-    def _count_steps(self, feed: TrainFeed, cursor: Cursor, announced: int, step_done: int, extra: bool) -> int:
-        """The steps this epoch ran, said beside the announced count where they differ.
-
-        The loss mean and the samples/s are over the steps that ran. Micro-batches of an
-        accumulation group the epoch cut short are dropped (their gradients never reach a step).
-        """
-        if step_done == announced and not extra:
-            return announced
-        if step_done % self.config.grad_accum_steps:
-            self.optimizer.zero_grad(set_to_none=True)
-        source = "the sampler" if self._sampler is not None else f"{type(feed.dataset).__name__}.train_batches"
-        self._say(
-            f"warning: epoch {cursor.epoch} ran {step_done} step(s), but {announced} were announced from the data's "
-            f"length: {source} gave {'more' if extra else 'fewer'} batches. The epoch's train_loss is "
-            f"the mean over the {step_done} that ran"
-            + (f"; the batches after step {announced} were not trained on" if extra else "")
-            + "; a schedule sized by run.total_steps assumed the announced count. Give the data a length that "
-            "matches what it yields"
-        )
-        return step_done
-
     def _check_nonfinite(self, bad: float, epoch: int, first: int, last: int) -> None:
         if bad > 0 and self.config.nan_policy == "stop":
             self._nonfinite = (epoch, first, last, int(bad))
@@ -855,6 +841,16 @@ class Trainer:
     def _fail_nonfinite(self) -> None:
         epoch, first, last, count = self._nonfinite or (0, 0, 0, 0)
         latest = latest_name(self.run_dir / "checkpoints")
+        if self.config.precision == "fp16":
+            # Under fp16 the gradient scaler guards the backward pass; a non-finite loss is the
+            # forward pass itself overflowing float16.
+            raise NonFiniteLossError(
+                f"the loss was NaN/Inf in {count} step(s) between steps {first} and {last} of epoch {epoch} under "
+                "precision='fp16': the forward pass overflowed float16 (its largest value is 65504; the gradient "
+                "scaler guards only the backward). Use precision='bf16', which has float32's range, where the "
+                "device has it (A100, L4, H100 and later; TPUs; CPUs), or precision='32'. Nothing after the last "
+                f"good checkpoint was saved (latest: {latest or 'none'})."
+            )
         raise NonFiniteLossError(
             f"the loss or gradient norm was NaN/Inf in {count} step(s) between steps {first} and "
             f"{last} of epoch {epoch}; nothing after the last good checkpoint was saved "
@@ -894,20 +890,5 @@ class Trainer:
             log.info(message)
 
 
-@contextlib.contextmanager
-def _in_step(trainer: Trainer, cursor: Cursor, step: int) -> Iterator[list[str]]:
-    """An error raised in a training step keeps its traceback and says where: epoch, step, which
-    function (the model, the loss, backward) and, for a map-style dataset, the batch's samples."""
-    where = ["forward"]
-    try:
-        yield where
-    except Exception as exc:
-        if hasattr(exc, "add_note"):
-            indices = trainer._feed.sample_indices(cursor.epoch, step) if trainer._feed is not None else None
-            what = {"forward": f"the model's forward ({type(trainer.strategy.unwrap(trainer.model)).__name__})",
-                    "loss": f"loss_fn {trainer.loss_fn!r}"}.get(where[0], where[0])
-            exc.add_note(
-                f"xlatrain: raised in {what} at epoch {cursor.epoch} step {step}"
-                + (f"; this process's batch holds the dataset's sample indices {indices}" if indices else "")
-            )
-        raise
+def _is_pair(batch: Any) -> bool:
+    return isinstance(batch, (list, tuple)) and len(batch) == 2
