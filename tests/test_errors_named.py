@@ -135,3 +135,29 @@ def test_the_torchrun_hint_names_xlatrains_own_command_line():
     assert torchrun_command(3, ["/venv/bin/xlatrain", "fit", "configs/lm.yaml", "--set", "backend.devices=3"]) == \
         "torchrun --nproc-per-node 3 -m xlatrain.cli fit configs/lm.yaml --set backend.devices=3"
     assert torchrun_command(2, ["train.py", "--lr", "0.1"]) == "torchrun --nproc-per-node 2 train.py --lr 0.1"
+
+
+def test_an_unresolvable_storage_host_fails_within_seconds_naming_the_network_and_the_credentials(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    from conftest import script_env
+
+    code = f"""
+import torch, xlatrain
+from torch import nn
+data = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,)))
+xlatrain.Trainer(nn.Linear(4, 2), nn.CrossEntropyLoss(), lambda p: torch.optim.SGD(p, lr=0.1), backend="cpu",
+                 config=xlatrain.TrainConfig(epochs=1, batch_size=4, run_dir="gs://bucket/run")).fit(data)
+"""
+    env = script_env({"STORAGE_EMULATOR_HOST": "http://no-such-host.invalid:9", "GOOGLE_APPLICATION_CREDENTIALS": "",
+                      "HOME": str(tmp_path), "XLATRAIN_CACHE_DIR": str(tmp_path / "cache")})
+    env.pop("GOOGLE_APPLICATION_CREDENTIALS")
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert time.monotonic() - started < 60 and proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "the storage server no-such-host.invalid cannot be found" in last and "no network or no DNS" in last
+    assert "STORAGE_EMULATOR_HOST" in last and "no credentials file either" in last
+    assert "resumes where it stopped" not in proc.stderr  # nothing had started

@@ -12,12 +12,14 @@ service account, or ``STORAGE_EMULATOR_HOST`` (a local GCS API server, as the te
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 from xlatrain.logs import get_logger
@@ -98,8 +100,57 @@ def filesystem(url: str) -> tuple[Any, str]:
         raise StorageError(f"{url}: reading {scheme}:// needs {package}; it is not installed ({exc})") from None
     except ValueError as exc:
         raise StorageError(f"{url} is not a storage URL fsspec knows ({exc})") from None
-    _report_library_retries(url.split("://", 1)[0])  # after the library's modules (and loggers) exist
+    scheme = url.split("://", 1)[0]
+    _report_library_retries(scheme)  # after the library's modules (and loggers) exist
+    if scheme in ("gs", "gcs"):
+        _resolvable(_gcs_endpoint(), url)
     return found
+
+
+def _gcs_endpoint() -> str:
+    """The host a gs:// request goes to: the emulator's (``STORAGE_EMULATOR_HOST``) or Google's."""
+    from urllib.parse import urlparse
+
+    emulator = os.environ.get("STORAGE_EMULATOR_HOST")
+    if emulator:
+        return urlparse(emulator if "://" in emulator else f"http://{emulator}").hostname or emulator
+    return "storage.googleapis.com"
+
+
+@functools.lru_cache(maxsize=8)
+def _resolved(host: str) -> str | None:
+    """None where ``host`` resolves, else the resolver's answer (asked once per process)."""
+    import socket
+
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError as exc:
+        return str(exc)
+    return None
+
+
+def _resolvable(host: str, url: str) -> None:
+    """Refuse at once a URL whose server cannot be found: the storage library would retry it for
+    minutes. Both likely causes are named, the credentials' state with them."""
+    failure = _resolved(host)
+    if failure is None:
+        return
+    creds = os.environ.get("GOOGLE_APPLICATION_CREDENTIALS")
+    adc = Path.home() / ".config" / "gcloud" / "application_default_credentials.json"
+    if creds:
+        have = f"credentials from GOOGLE_APPLICATION_CREDENTIALS={creds}"
+    elif adc.is_file():
+        have = f"gcloud's application-default credentials ({adc})"
+    else:
+        have = ("no credentials file either (GOOGLE_APPLICATION_CREDENTIALS unset, no gcloud application-default "
+                "credentials): on a Cloud VM its service account serves instead; elsewhere run gcloud auth "
+                "application-default login")
+    emulator = os.environ.get("STORAGE_EMULATOR_HOST")
+    raise StorageError(
+        f"{url}: the storage server {host} cannot be found ({failure}): no network or no DNS on this machine"
+        + (f", or a wrong STORAGE_EMULATOR_HOST={emulator}" if emulator else "")
+        + f". This machine has {have}. Nothing was read or written; run the command again once {host} resolves"
+    )
 
 
 def _status(exc: BaseException) -> int | None:
@@ -129,7 +180,8 @@ def explain(url: str, exc: BaseException, doing: str, retries: int = 0) -> Stora
                "Storage Object User role for the TPU VM's service account, or run gcloud auth application-default login")
         what = "is not accessible with this machine's credentials"
     elif transient(exc):
-        fix = "check the network and the storage service; the same command resumes where it stopped"
+        fix = ("check the network and the storage service, then run the same command again (a run continues "
+               "from its last complete checkpoint)")
         what = f"could not be reached after {retries} retries"
     else:
         fix = "see the cause above"
