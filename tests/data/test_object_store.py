@@ -95,7 +95,7 @@ def test_shards_on_object_storage_read_exactly_as_the_local_pack(packed, workers
 def test_each_process_fetches_only_its_records_and_a_resume_fetches_none_it_skips(packed, monkeypatch):
     _, url, _ = packed
     seen = _fetched(monkeypatch)
-    ds = ShardDataset(url, channels=1, remote_requests=REQUESTS)
+    ds = ShardDataset(url, channels=1, remote_requests=REQUESTS, num_workers=0)  # fetched here, where the test listens
     per_process = []
     for p in range(2):
         seen.clear()
@@ -180,7 +180,8 @@ def test_a_missing_or_truncated_object_is_an_error_naming_the_shard_or_left_out_
 def test_a_storage_server_that_goes_away_mid_epoch_and_comes_back_is_retried_and_reported(packed, gcs, caplog):
     local, url, _ = packed
     caplog.set_level(logging.WARNING, logger="xlatrain")
-    ds = ShardDataset(url, channels=1, remote_requests=REQUESTS, prefetch_batches=1)
+    # Fetched in this process (num_workers=0), whose log the test reads.
+    ds = ShardDataset(url, channels=1, remote_requests=REQUESTS, prefetch_batches=1, num_workers=0)
     batches = ds.train_batches(loader_batch=8, num_processes=1, process_index=0, seed=5, epoch=2)
     got = [tuple(t.clone() for t in next(batches)) for _ in range(2)]
     gcs.stop()
