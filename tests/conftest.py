@@ -83,7 +83,9 @@ def script_env(env: dict[str, str] | None = None) -> dict[str, str]:
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("PJRT_", "CPU_NUM_DEVICES", "XLA_"))}
     full_env.update(_SCRIPT_ENV)
     full_env.update(env or {})
-    full_env["PYTHONPATH"] = str(SCRIPTS)
+    # The scripts' directory first; a PYTHONPATH given to pytest stays behind it, so that a checkout
+    # run with PYTHONPATH=src (a second worktree beside the editable install) tests its own code.
+    full_env["PYTHONPATH"] = os.pathsep.join([str(SCRIPTS), *filter(None, [os.environ.get("PYTHONPATH")])])
     # XLA runs keep a persistent compilation cache; tests keep theirs out of the user's home.
     full_env.setdefault("XLATRAIN_CACHE_DIR", str(Path(tempfile.gettempdir()) / "xlatrain-test-cache"))
     return full_env

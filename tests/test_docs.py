@@ -205,6 +205,14 @@ def check_names(command: str) -> str:
 
 # --- running a command ------------------------------------------------------------------------
 
+def _pythonpath_as_given(env: dict[str, str]) -> None:
+    """A page's command runs as a user types it: without the tests' scripts on its path, with the
+    PYTHONPATH pytest was given (if any: a worktree run with PYTHONPATH=src runs its own code)."""
+    env.pop("PYTHONPATH", None)
+    if os.environ.get("PYTHONPATH"):
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+
+
 def run_command(command: str, cwd: Path, exits: int = 0) -> str:
     env, tokens = _split_env(shlex.split(command, comments=True))
     if tokens[0] == "source":
@@ -232,7 +240,7 @@ def run_command(command: str, cwd: Path, exits: int = 0) -> str:
     if argv and argv[0] == "demo":
         argv = [*argv, "--epochs", "2", "--min-accuracy", "0"]
     full_env = script_env({**env, "XLATRAIN_CACHE_DIR": str(cwd / ".cache")})
-    full_env.pop("PYTHONPATH", None)
+    _pythonpath_as_given(full_env)
     proc = subprocess.run([*launcher, *argv], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=600,
                           stdin=subprocess.DEVNULL)
     assert proc.returncode == exits, f"`{command}` exited {proc.returncode}:\n{proc.stdout[-2500:]}\n{proc.stderr[-2500:]}"
@@ -274,7 +282,7 @@ def test_every_block_of_the_page_runs_as_written_or_names_what_exists(page, tmp_
     if session:
         (tmp_path / "blocks.json").write_text(json.dumps(session))
         env = script_env({"XLATRAIN_CACHE_DIR": str(work / ".cache")})
-        env.pop("PYTHONPATH", None)
+        _pythonpath_as_given(env)
         proc = subprocess.run([sys.executable, str(SCRIPTS / "doc_session.py"), str(tmp_path / "blocks.json")],
                               cwd=work, env=env, capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
         assert proc.returncode == 0, f"{page}: a Python block failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
