@@ -41,14 +41,23 @@ $(VENV_XLA)/.installed: requirements-xla.lock pyproject.toml
 	$(call build_env,$(VENV_XLA),requirements-xla.lock)
 
 # Each test runs where its runtime lives: tests marked `xla` in .venv-xla, the rest in .venv.
-# pytest exits 5 when it collected nothing; that is a failure here, not a pass.
+# pytest exits 5 when it collected nothing; that is a failure here, not a pass. Each part lists
+# its ten slowest tests, so that a test that grows slow is seen when it does.
+# The .venv part runs in TEST_WORKERS pytest-xdist workers, one per core of the 2-core machine:
+# most of its time is fresh processes importing torch and training tiny models on one core, so a
+# single worker left the other core idle (measured: CPU time = wall time over the whole part).
+# --dist loadscope keeps a module's tests on one worker, so a module-scoped fixture (a finished run
+# that several tests read) is still made once. TEST_WORKERS=0 runs them one after another. The
+# xla part stays in one worker: XLA:CPU already computes on both cores (two workers measured no clear gain).
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadscope
 test: test-current test-xla
 
 test-current: $(VENV)/.installed $(VENV)/.site-hook
-	$(BIN)/python -m pytest -m "not xla" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not xla" --durations=10 $(XDIST) $(PYTEST_ARGS)
 
 test-xla: $(VENV_XLA)/.installed
-	$(XBIN)/python -m pytest -m xla $(PYTEST_ARGS)
+	$(XBIN)/python -m pytest -m xla --durations=10 $(PYTEST_ARGS)
 
 # The kill -9 fault-injection test with 200 trials instead of make test's 20.
 stress: $(VENV)/.installed $(VENV)/.site-hook

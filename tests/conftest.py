@@ -29,6 +29,12 @@ HAS_XLA = importlib.util.find_spec("torch_xla") is not None
 from xlatrain.backend.hardware import settle_libtpu_without_tpu, skip_idle_torch_tpu_autoload  # noqa: E402
 
 settle_libtpu_without_tpu()
+# Under pytest-xdist (make test-current runs two workers, one per core) each worker and every
+# process it starts computes on one thread: two workers of two threads each on two cores spin in
+# OpenMP's barriers and run several times slower (a 512x512 matmul measured 87 GFLOP/s on one
+# thread, 18 on two threads sharing a core). torchrun gives each of its processes one thread too.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Caches xlatrain keeps per machine (compiled programs, the measured matmul peak) stay out of the
 # user's home, in this process and in every script a test starts.
 os.environ.setdefault("XLATRAIN_CACHE_DIR", str(Path(tempfile.gettempdir()) / "xlatrain-test-cache"))
@@ -65,6 +71,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = keep
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    # A pytest-xdist worker hands the tests it deselected to the main process, which reports them.
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["deselected_xla"] = list(_deselected_xla)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    for nodeid in getattr(node, "workeroutput", {}).get("deselected_xla", []):
+        if nodeid not in _deselected_xla:  # every worker collects, and deselects, all of them
+            _deselected_xla.append(nodeid)
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     stats = terminalreporter.stats
     ran = sum(len(stats.get(k, [])) for k in ("passed", "failed", "error", "xfailed", "xpassed"))
@@ -83,8 +103,10 @@ def script_env(env: dict[str, str] | None = None) -> dict[str, str]:
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("PJRT_", "CPU_NUM_DEVICES", "XLA_"))}
     full_env.update(_SCRIPT_ENV)
     full_env.update(env or {})
-    # This checkout's xlatrain, whatever checkout the environment's editable install points at.
-    full_env["PYTHONPATH"] = os.pathsep.join([str(SCRIPTS), str(SCRIPTS.parents[1] / "src")])
+    # The scripts' directory, then this checkout's xlatrain (whatever checkout the environment's
+    # editable install points at), then a PYTHONPATH given to pytest.
+    full_env["PYTHONPATH"] = os.pathsep.join([str(SCRIPTS), str(SCRIPTS.parents[1] / "src"),
+                                              *filter(None, [os.environ.get("PYTHONPATH")])])
     # XLA runs keep a persistent compilation cache; tests keep theirs out of the user's home.
     full_env.setdefault("XLATRAIN_CACHE_DIR", str(Path(tempfile.gettempdir()) / "xlatrain-test-cache"))
     return full_env
