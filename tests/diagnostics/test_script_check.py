@@ -802,3 +802,24 @@ def test_a_device_value_read_on_the_main_process_only_gets_the_torchtpu_note():
     assert [f.line for f in notes] == [14, 16, 18, 23]
     assert "every process must make the same host reads" in notes[0].message
     assert notes[0].severity == "info"
+
+
+def test_a_padding_collate_without_a_few_lengths_is_flagged_and_one_with_them_is_not():
+    source = """
+    import torch_xla.core.xla_model as xm
+    from torch.nn.utils.rnn import pad_sequence
+    from transformers import DataCollatorWithPadding
+    import xlatrain
+    per_batch = DataCollatorWithPadding(tokenizer)
+    multiple = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=64)
+    fixed = DataCollatorWithPadding(tokenizer, padding="max_length")
+    ours = xlatrain.PadCollate()
+    bucketed = xlatrain.PadCollate(buckets=(128, 256))
+    def collate(items):
+        return pad_sequence([x for x, _ in items], batch_first=True)
+    """
+    assert {(line, severity) for line, code, severity in graded(source) if code == "ragged-lengths"} == {
+        (6, "warning"), (9, "warning"), (12, "warning")}
+    # Without XLA in the script, the same lengths cost nothing where it runs: a note, not a warning.
+    plain = source.replace("    import torch_xla.core.xla_model as xm\n", "")
+    assert {sev for _, code, sev in graded(plain) if code == "ragged-lengths"} == {"info"}

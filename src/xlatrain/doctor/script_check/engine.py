@@ -972,6 +972,7 @@ class Engine:
         self.check_classes()
         self.check_lr_scaling()
         self.check_samplers(calls)
+        self.check_padding_collates(calls)
         self.check_reads_on_one_process()
         order = {s: i for i, s in enumerate(SEVERITIES)}
         return tuple(sorted(self.findings.values(), key=lambda f: (f.line, f.col, order[f.severity], f.code)))

@@ -222,6 +222,32 @@ class LoaderRules:
         if isinstance(node, ast.Call) and self.call_name(node).endswith("DistributedSampler"):
             return node
         return None
+    def check_padding_collates(self, calls: list[ast.Call]) -> None:
+        """A collate that pads each batch to its own longest sequence: free on CUDA and the CPU, a
+        new compiled graph per length on XLA and TorchTPU."""
+        xla = self.uses_xla or self.lightning_on_tpu
+        fix = ("pad to a few lengths: DataCollatorWithPadding(tokenizer, pad_to_multiple_of=64) (or "
+               "padding='max_length'), xlatrain.PadCollate(pad_to_multiple_of=64) or PadCollate(buckets=(128, 256, 512))")
+        for call in calls:
+            name = self.call_name(call).rsplit(".", 1)[-1]
+            if name == "DataCollatorWithPadding":
+                padding = _const(_kw(call, "padding"))
+                if _kw(call, "pad_to_multiple_of") is None and padding not in ("max_length",):
+                    message = "DataCollatorWithPadding without pad_to_multiple_of pads each batch to its own longest sequence"
+                else:
+                    continue
+            elif name == "PadCollate":
+                if _kw(call, "pad_to_multiple_of") is not None or _kw(call, "buckets") is not None:
+                    continue
+                message = "PadCollate without pad_to_multiple_of or buckets pads each batch to its own longest sequence"
+            elif name == "pad_sequence" and self.enclosing_function(call) is not None:
+                message = "pad_sequence pads each batch to its own longest sequence"
+            else:
+                continue
+            self.add(call, "ragged-lengths", "warning" if xla else "info",
+                     f"{message}: on XLA and TorchTPU every new length compiles a new graph (on CUDA and the CPU it "
+                     "costs nothing)", fix)
+
     def check_samplers(self, calls: list[ast.Call]) -> None:
         samplers = [c for c in calls if self.call_name(c).endswith("DistributedSampler")]
         sets_epoch = any(isinstance(c.func, ast.Attribute) and c.func.attr == "set_epoch" for c in calls)
