@@ -209,3 +209,18 @@ def test_iter_records_names_a_truncated_shard(rsna, tmp_path):
     shard.write_bytes(shard.read_bytes()[:-10])
     with pytest.raises(ShardError, match=f"shard {shard.name} is truncated"):
         list(iter_records(out))
+
+
+def test_packing_nothing_is_an_error_that_says_why(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import script_env
+
+    (tmp_path / "img").mkdir()
+    (tmp_path / "empty.csv").write_text("path,cls\n")
+    proc = subprocess.run([sys.executable, "-m", "xlatrain.cli", "pack", "--csv", str(tmp_path / "empty.csv"), "--images",
+                           str(tmp_path / "img"), "--out", str(tmp_path / "shards"), "--path-columns", "path", "--labels",
+                           "cls", "--quiet"], capture_output=True, text=True, env=script_env(), timeout=120)
+    assert proc.returncode == 1
+    assert "error: nothing was packed: the CSV lists no rows" in proc.stderr

@@ -174,6 +174,14 @@ class PackSummary:
             f"{self.num_shards - self.num_shards_written} already up to date); labels: "
             + (", ".join(self.label_names) or "none")
         ]
+        if self.num_records == 0:
+            # A pack of nothing is no success: say why, and the exit status is 1.
+            lines.append(
+                "error: nothing was packed: "
+                + ("the CSV lists no rows (a header only, or empty)" if self.num_rows == 0 else
+                   f"none of its {self.num_rows} row(s) gave an image (each skipped row is listed below)")
+                + ". Check --csv, --images and the path columns (--path-columns / --path-template)"
+            )
         if self.skipped:
             lines.append(f"skipped {self.num_skipped} row(s) (all listed in {self.out_dir}/{MANIFEST_NAME}):")
             lines += [f"  line {s.line}: {s.path}: {s.reason}" for s in self.skipped[:max_listed]]
