@@ -55,6 +55,12 @@ ELSEWHERE = {
     "trainer.channels_last": (
         "train/test_user_data_and_callbacks.py",
         "test_channels_last_puts_the_model_and_the_image_batches_in_that_memory_order"),
+    "trainer.ema_rule": ("train/test_ema_and_callbacks.py", "test_the_torchvision_rule_and_warm_up_give_the_reference_average"),
+    "trainer.ema_warmup_epochs": (
+        "train/test_ema_and_callbacks.py", "test_the_torchvision_rule_and_warm_up_give_the_reference_average"),
+    "trainer.ema_bn_batches": (
+        "train/test_ema_and_callbacks.py",
+        "test_batch_norm_statistics_recomputed_for_the_ema_weights_score_them_as_update_bn_does"),
     "trainer.early_stop_patience": (
         "train/test_pipelines.py", "test_early_stopping_stops_at_the_expected_epoch_and_a_rerun_trains_nothing"),
     "trainer.save_best": ("train/test_pipelines.py", "test_save_best_false_writes_no_best_weights"),
@@ -125,7 +131,7 @@ DATA_KEYS = {
         "root": "test_pe_data_lands_where_root_and_shards_say",
         "shards": "test_pe_data_lands_where_root_and_shards_say",
         "synthetic": "test_pe_synthetic_false_needs_real_data",
-        "workers": "test_pe_workers_change_speed_not_data",
+        "pack_workers": "test_pe_workers_change_speed_not_data",
         "cache_dir": "test_pe_cache_dir_keeps_the_shards_read_from_object_storage",
     },
 }
@@ -386,9 +392,10 @@ def test_eval_batch_size_sets_the_evaluation_batch(tmp_path):
     _fit(tmp_path / "a", model=default, epochs=1)
     _fit(tmp_path / "b", model=own, epochs=1, eval_batch_size=5)
     # 20 validation rows: three batches of the training batch size (the last one padded), or four
-    # of 5 (the dry run before training adds a batch of its own to each)
-    assert default.eval_rows.count(8) == 3 and 5 not in default.eval_rows
-    assert own.eval_rows.count(5) == 4 and 8 not in own.eval_rows
+    # of 5. The dry run before training adds a batch of 2 rows of its own to each, and one
+    # evaluation batch (its first rows, padded to a whole batch, through evaluation's own path).
+    assert default.eval_rows.count(8) == 3 + 1 and 5 not in default.eval_rows
+    assert own.eval_rows.count(5) == 4 + 1 and 8 not in own.eval_rows
 
 
 class _WhoLoads(Dataset):
