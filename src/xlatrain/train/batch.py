@@ -24,7 +24,7 @@ import torch
 
 from xlatrain.tree import Spec, tree_flatten, tree_map, tree_unflatten
 
-__all__ = ["BatchLayout", "collate", "num_rows", "tree_flatten", "tree_map", "tree_unflatten"]
+__all__ = ["BatchLayout", "collate", "fields_of", "num_rows", "tree_flatten", "tree_map", "tree_unflatten"]
 
 def collate(items: Sequence[Any]) -> Any:
     """Stack a list of dataset items into one batch of the same structure.
@@ -144,7 +144,7 @@ class BatchLayout:
         return taken if isinstance(self.inputs, (list, tuple)) else (taken,)
 
     def _take(self, batch: Any, keys: str | Sequence[str] | None, role: str) -> Any:
-        fields = _fields(batch)
+        fields = fields_of(batch)
         if fields is None:
             raise ValueError(
                 f"{role}={keys!r} names keys, but a batch is a {type(batch).__name__}, not a mapping or "
@@ -162,7 +162,7 @@ class BatchLayout:
 
     @staticmethod
     def _pair_error(batch: Any) -> str:
-        fields = _fields(batch)
+        fields = fields_of(batch)
         if fields is not None:
             keys = list(fields)
             return (
@@ -176,7 +176,8 @@ class BatchLayout:
         )
 
 
-def _fields(batch: Any) -> dict[str, Any] | None:
+def fields_of(batch: Any) -> dict[str, Any] | None:
+    """A mapping's or dataclass's fields by name; None for any other batch."""
     if isinstance(batch, Mapping):
         return dict(batch)
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from xlatrain.train.batch import BatchLayout
+from xlatrain.train.batch import BatchLayout, fields_of
 from xlatrain.train.losses import loss_terms
 
 OWN_LOSS = None  # loss_fn=None: the model computes its own loss
@@ -94,7 +94,7 @@ class ModelIO:
     def bind(self, batch: Any, *, with_targets: bool = True) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """``(args, kwargs)`` for ``forward`` from one batch."""
         if self.own_loss:
-            fields = _fields(batch)
+            fields = fields_of(batch)
             if fields is not None:
                 keys = [self.inputs] if isinstance(self.inputs, str) else list(self.inputs or fields)
                 missing = [k for k in keys if k not in fields]
@@ -132,7 +132,7 @@ class ModelIO:
     def describe_binding(self, batch: Any) -> str:
         """How one batch reaches ``forward``: ``model(input_ids=batch['input_ids'], ...)``, each
         positional argument named by the parameter it fills."""
-        fields = _fields(batch)
+        fields = fields_of(batch)
         if self.own_loss:
             if fields is not None:
                 keys = [self.inputs] if isinstance(self.inputs, str) else list(self.inputs or fields)
@@ -174,7 +174,7 @@ class ModelIO:
         if not self.own_loss:
             assert self.layout is not None
             return self.layout.split(batch)[1]
-        fields = _fields(batch)
+        fields = fields_of(batch)
         if fields is not None:
             if self.targets is None:
                 return fields.get("labels")
@@ -240,14 +240,6 @@ def own_loss_terms(outputs: Any, owner: str = "the model") -> tuple[torch.Tensor
         "out.loss, out['loss'], the first element of a tuple, a scalar tensor, or a mapping of scalar losses "
         "(summed); or give a loss_fn(outputs, targets)"
     )
-
-
-def _fields(batch: Any) -> dict[str, Any] | None:
-    if isinstance(batch, Mapping):
-        return dict(batch)
-    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        return {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
-    return None
 
 
 def _has_field(outputs: Any, name: str) -> bool:
