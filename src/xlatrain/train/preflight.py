@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -28,8 +28,9 @@ from xlatrain.train.losses import EvalLoss
 from xlatrain.train.metrics import as_float, default_monitor, is_streaming, task_from_shapes
 from xlatrain.train.model_io import no_grad_message, own_loss_terms
 
-if TYPE_CHECKING:
-    from xlatrain.train.trainer import Trainer
+# The Trainer (train/trainer.py) calls these functions with itself; named here without an import,
+# so that this module does not import the one that imports it.
+Trainer = Any
 
 
 class DoesNotFitError(ValueError):

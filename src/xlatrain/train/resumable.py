@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -40,8 +40,9 @@ from xlatrain.train.state import (
     unpack_whole,
 )
 
-if TYPE_CHECKING:
-    from xlatrain.train.trainer import Trainer
+# The Trainer (train/trainer.py) calls these functions with itself; named here without an import,
+# so that this module does not import the one that imports it.
+Trainer = Any
 
 
 def resume(trainer: Trainer, resume: bool | str) -> tuple[Cursor, dict[str, torch.Tensor]]:
