@@ -12,6 +12,7 @@ the card's spec peak and against a bf16 matmul peak measured here.
 from __future__ import annotations
 
 import functools
+import os
 import tempfile
 import time
 from typing import Any
@@ -110,7 +111,9 @@ def run(smoke: bool = False) -> dict[str, Any]:
         missing = cuda_missing()
         if missing:
             return skipped(missing)
-        device, sizes, steps, rounds, context = "cuda", SIZES, STEPS, ROUNDS, CONTEXT
+        # XLATRAIN_GPU_LM_SIZES=85m (or 1.2b) runs one size: on a lease too short for both.
+        chosen = os.environ.get("XLATRAIN_GPU_LM_SIZES", ",".join(SIZES)).split(",")
+        device, sizes, steps, rounds, context = "cuda", {k: SIZES[k] for k in chosen}, STEPS, ROUNDS, CONTEXT
     out: dict[str, Any] = {"device": device_name(device), "rounds": rounds, "steps_per_epoch": steps}
     spec = spec_for_name(torch.cuda.get_device_name()) if device == "cuda" else None
     peak = measured_peak(torch.device(device), torch.bfloat16, lambda t: sync(device), device,
@@ -130,6 +133,7 @@ def run(smoke: bool = False) -> dict[str, Any]:
         lows = [out[k]["ratio_min_median_max"][0] for k in out if isinstance(out[k], dict) and "ratio_min_median_max" in out[k]]
         out["ratio"] = min(lows)
         out["target"] = "Trainer / hand tokens/s >= 0.98 every round, every case; >= 1.03 at 85M compiled"
-        out["target_met"] = min(lows) >= 0.98 and out["85m_compiled"]["ratio_min_median_max"][0] >= 1.03
+        out["target_met"] = min(lows) >= 0.98 and ("85m_compiled" not in out
+                                                   or out["85m_compiled"]["ratio_min_median_max"][0] >= 1.03)
         out["measured_bf16_matmul_peak_tflops"] = round(peak / 1e12, 1) if peak else None
     return out

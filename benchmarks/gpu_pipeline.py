@@ -12,6 +12,7 @@ time the recipe waited for input (target < 10%).
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -24,8 +25,11 @@ from torch import nn
 from benchmarks.gpu_common import cuda_missing, device_name, skipped, spread, sync
 
 ROUNDS, STEPS = 3, 40
+# 120 generated studies give an epoch of about 45 steps at batch 64; a longer epoch (e.g. 480)
+# tells a cost paid once per epoch from one paid every step.
+STUDIES = int(os.environ.get("XLATRAIN_GPU_PIPELINE_STUDIES", "120"))
 RECIPE = ["model.name=resnet34", "data.image_size=256", "data.stored_size=256", "trainer.precision=bf16",
-          "trainer.batch_size=64", "trainer.epochs=1", "data.num_studies=120", "data.slices_per_study=[24,32]",
+          "trainer.batch_size=64", "trainer.epochs=1", f"data.num_studies={STUDIES}", "data.slices_per_study=[24,32]",
           "checkpoint.enabled=false"]
 SMOKE = ["model.name=small_cnn", "model.width=8", "data.image_size=32", "data.stored_size=48", "trainer.batch_size=4",
          "trainer.epochs=1", "data.num_studies=6", "data.slices_per_study=[4,5]", "data.num_folds=3",
@@ -107,6 +111,8 @@ def run(smoke: bool = False) -> dict[str, Any]:
         "input_wait_share_min_median_max": spread(waits),
         "rounds": rows,
         "recipe_defaults_chosen": header,
+        "studies": STUDIES if not smoke else None,
+        "steps_per_epoch": trainer._feed.steps_per_epoch if trainer._feed is not None else None,
         "device": device_name(device),
         "target": "recipe / device-resident images/s >= 0.9 and input wait < 10%, every round",
         "target_met": device == "cuda" and min(ratios) >= 0.9 and max(waits) < 0.10,

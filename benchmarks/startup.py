@@ -5,7 +5,9 @@ Both sides start from a freshly built model in this process, alternating, ``ROUN
 Trainer's extra start-up (the dry run, the FLOP count and activation measurement, the memory plan)
 is said in steps of the hand loop's steady step time (the median of its next steps): the target is
 at most 2 every round. The matmul peak used for MFU is cached per machine, so it is measured once,
-in the warm-up, as a second run of a user's would find it.
+in the warm-up, as a second run of a user's would find it. Where CUDA is available the same
+comparison runs there too (``cuda`` in the figures; its steps are milliseconds, so the same
+start-up work weighs more steps there).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from benchmarks.gpu_common import device_name, sync
 from benchmarks.lm import BATCH, CLIP, CONTEXT, LR, STEPS, THREADS, WEIGHT_DECAY, _model, _optimizer
 from benchmarks.trainer_overhead import with_threads
 from xlatrain import CheckpointConfig, TrainConfig, Trainer
@@ -40,20 +43,22 @@ def _data() -> ByteWindows:
     return ByteWindows(train_bytes, CONTEXT)
 
 
-def _hand(data: ByteWindows) -> tuple[float, float]:
+def _hand(data: ByteWindows, device: str) -> tuple[float, float]:
     """(seconds to the first optimizer step, median seconds of the next steps)."""
     started = time.perf_counter()
-    model = _model()
+    model = _model().to(device)
     opt, schedule = _optimizer(model)
     loader = DataLoader(data, batch_size=BATCH, shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(0))
     stamps = []
     for x, y in loader:
+        x, y = x.to(device), y.to(device)
         loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         opt.zero_grad(set_to_none=True)
         schedule.step()
+        sync(device)
         stamps.append(time.perf_counter())
         if len(stamps) > STEADY_STEPS:
             break
@@ -61,17 +66,18 @@ def _hand(data: ByteWindows) -> tuple[float, float]:
     return stamps[0] - started, statistics.median(steps)
 
 
-def _trainer(data: ByteWindows, run_dir: str) -> float:
+def _trainer(data: ByteWindows, run_dir: str, device: str) -> float:
     started = time.perf_counter()
     trainer = Trainer(
         _model(), byte_loss, functools.partial(_adamw_groups, lr=LR, weight_decay=WEIGHT_DECAY),
         config=TrainConfig(epochs=1, batch_size=BATCH, run_dir=run_dir, log_every=STEPS + 1, clip_grad_norm=CLIP,
                            task="none", tensorboard=False),
-        checkpoint=CheckpointConfig(enabled=False), accelerator="cpu",
+        checkpoint=CheckpointConfig(enabled=False), accelerator=device,
     )
     stamp: dict[str, float] = {}
 
     def first_step(*_: Any) -> None:
+        sync(device)
         stamp["at"] = time.perf_counter()
         raise _FirstStep
 
@@ -84,21 +90,24 @@ def _trainer(data: ByteWindows, run_dir: str) -> float:
 
 
 def run() -> dict[str, Any]:
-    return with_threads(_measure, THREADS)
+    out = with_threads(functools.partial(_measure, "cpu"), THREADS)
+    if torch.cuda.is_available():
+        out["cuda"] = _measure("cuda")
+    return out
 
 
-def _measure() -> dict[str, Any]:
+def _measure(device: str) -> dict[str, Any]:
     data = _data()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        _hand(data), _trainer(data, f"{tmp}/warm")  # warm-up: allocator, kernels, the cached matmul peak
+        _hand(data, device), _trainer(data, f"{tmp}/warm", device)  # warm-up: allocator, kernels, the cached matmul peak
         for r in range(ROUNDS):
             if r % 2:
-                trainer_s = _trainer(data, f"{tmp}/{r}")
-                hand_s, step_s = _hand(data)
+                trainer_s = _trainer(data, f"{tmp}/{r}", device)
+                hand_s, step_s = _hand(data, device)
             else:
-                hand_s, step_s = _hand(data)
-                trainer_s = _trainer(data, f"{tmp}/{r}")
+                hand_s, step_s = _hand(data, device)
+                trainer_s = _trainer(data, f"{tmp}/{r}", device)
             rows.append({"trainer_s": round(trainer_s, 3), "hand_s": round(hand_s, 3), "step_s": round(step_s, 3),
                          "extra_in_steps": round((trainer_s - hand_s) / step_s, 2)})
     extra = [row["extra_in_steps"] for row in rows]
@@ -106,7 +115,8 @@ def _measure() -> dict[str, Any]:
         "ratio": statistics.median(extra),
         "extra_in_steps_min_median_max": [min(extra), statistics.median(extra), max(extra)],
         "rounds": rows,
-        "model": f"ByteGPT (benchmarks.lm), batch {BATCH}, context {CONTEXT}, float32, cpu, {THREADS} threads",
+        "model": f"ByteGPT (benchmarks.lm), batch {BATCH}, context {CONTEXT}, float32",
+        "device": f"cpu, {THREADS} threads" if device == "cpu" else device_name(device),
         "target": f"Trainer start-up to its first optimizer step <= the hand loop's + {TARGET_STEPS:g} steady steps, "
                   "every round",
         "target_met": max(extra) <= TARGET_STEPS,

@@ -359,7 +359,7 @@ CASES: dict[str, Case] = {
         r"num_outputs|labels"),
     "class index out of range mid-epoch": Case(api(lambda d: trainer(d).fit(LateBadLabels())), "IndexError",
                                                r"out of bounds|out of range",
-                                               r"epoch 1 step \d+.*sample indices .*\b30\b"),
+                                               r"sample 30\b.*epoch 1 step \d+"),
     "multilabel shapes": Case(api(lambda d: trainer(d, loss=nn.BCEWithLogitsLoss()).fit(
         data(), TensorDataset(torch.randn(8, 4), torch.ones(8, 5)))), "ValueError", r"size|shape",
         r"same|match"),

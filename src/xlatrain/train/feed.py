@@ -19,7 +19,6 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
 
-from xlatrain.backend.base import host_rng_state, set_host_rng_state
 from xlatrain.data.workers import auto_workers
 
 from xlatrain.backend.base import Runtime, Strategy
@@ -114,7 +113,12 @@ class SeededBatches(Dataset):  # type: ignore[type-arg]
         return len(self.items)
 
     def __getitems__(self, keys: list[tuple[int, int]]) -> list[Any]:
-        state = host_rng_state()
+        gathered = self._gathered([index for _, index in keys])
+        if gathered is not None:
+            return [gathered]  # no user code ran: nothing drew a random number
+        # The generators' states as they are (no conversion: this runs once per batch, in the
+        # training process itself where num_workers is 0).
+        state = random.getstate(), np.random.get_state(), torch.get_rng_state()
         try:
             seed = keys[0][0]
             random.seed(seed)
@@ -122,11 +126,22 @@ class SeededBatches(Dataset):  # type: ignore[type-arg]
             torch.default_generator.manual_seed(seed)  # the CPU generator only: a CUDA one is the model's
             batch = self.collate_fn([self.items[index] for _, index in keys])
         finally:
-            set_host_rng_state(state)
+            random.setstate(state[0])
+            np.random.set_state(state[1])
+            torch.set_rng_state(state[2])
         if batch is None:
             raise ValueError(f"collate_fn {self.collate_fn!r} returned None: it must return the batch it makes of "
                              "the items it is given")
         return [batch]
+
+    def _gathered(self, indices: list[int]) -> tuple[torch.Tensor, ...] | None:
+        """A plain ``TensorDataset`` under the default collate: its batch gathered with one index
+        per tensor, the same tensors as stacking its items one by one (which costs a Python call
+        and a copy per item: on a GPU whose steps take milliseconds, that showed)."""
+        if self.collate_fn is not collate or type(self.items) is not Items or type(self.items.dataset) is not TensorDataset:
+            return None
+        at = torch.tensor(indices)
+        return tuple(t[at] for t in self.items.dataset.tensors)
 
 
 def _only(batches: list[Any]) -> Any:

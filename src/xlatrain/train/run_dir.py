@@ -42,6 +42,7 @@ class RunDirectory:
         self._say = say
         self._lock: run_lock.RunLock | None = None  # held by the main process while fit runs
         self._clear_pending = False  # resume="overwrite" clears the earlier run once the checks pass
+        self.training = False  # this fit wrote "running": only then does it own status.json
         self._created = False  # this fit made the directory (removed again if it fails at once)
 
     @property
@@ -136,8 +137,14 @@ class RunDirectory:
         after a kill -9 or a crash that could not write), ``preempted`` once a stop signal's checkpoint
         is complete (with its name: the same command resumes from it), ``finished``, or ``failed``
         (with the error). A requeue script reads ``state``; the launcher's exit status alone does not
-        tell (torchrun exits 1 after forwarding a SIGTERM its workers handled)."""
-        if not self._strategy.is_main or not self.path.is_dir():
+        tell (torchrun exits 1 after forwarding a SIGTERM its workers handled).
+
+        A fit that ends before its first step (a finished run again, a refusal before training)
+        leaves the file as the earlier run wrote it: ``finished`` and ``failed`` are only written
+        by a fit that wrote ``running``."""
+        if state == "running":
+            self.training = True
+        if not self.training or not self._strategy.is_main or not self.path.is_dir():
             return
         from xlatrain.checkpoint import atomic_write_text
 

@@ -377,8 +377,7 @@ class Trainer:
             self._dir.write_status("finished", epochs=len(history))
             return history
         except Exception as exc:
-            if self._dir.path.is_dir() and any(self._dir.path.iterdir()):
-                self._dir.write_status("failed", error=f"{type(exc).__name__}: {str(exc)[:2000]}")
+            self._dir.write_status("failed", error=f"{type(exc).__name__}: {str(exc)[:2000]}")
             raise
         finally:
             if self._feed is not None:
