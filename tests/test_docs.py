@@ -327,12 +327,15 @@ def test_every_block_of_the_page_runs_as_written_or_names_what_exists(page, tmp_
     path = ROOT / page
     found = blocks(path)
     work = _session_dir(tmp_path)
-    # Shell commands run once, in the reading order of every page in one directory (the test
-    # below: README first, in a fresh directory); here only those checked by name.
-    report = [run_step(block, command, work) if block.names_only or command is None
+    python_blocks = [b for b in found if b.lang == "python"]
+    # Shell commands run in the reading order of every page in one directory (the test below:
+    # README first, in a fresh directory). Here they run only on a page whose Python blocks run
+    # after them (and may read what they made: packed data, a run directory); elsewhere only
+    # those checked by name.
+    feeds_python = any(not b.skip and not b.names_only for b in python_blocks)
+    report = [run_step(block, command, work) if feeds_python or block.names_only or command is None
               else f"{block.page}:{block.line} `{command.strip()[:70]}`: run in the one-directory test"
               for block, command in shell_steps(path)]
-    python_blocks = [b for b in found if b.lang == "python"]
     session = []
     for block in python_blocks:
         if block.skip:

@@ -50,7 +50,7 @@ def _wait_for_line(proc, needle, timeout=60):
     raise AssertionError(f"no line with {needle!r}:\n{''.join(lines)}")
 
 
-TIMING = {"epoch_time_s", "input_bound_share", "samples_per_s", "tokens_per_s", "mfu"}  # wall-clock measurements, different in every run
+TIMING = {"epoch_time_s", "warmup_s", "input_bound_share", "samples_per_s", "tokens_per_s", "mfu"}  # wall-clock measurements, different in every run
 
 
 def _without_timing(history):

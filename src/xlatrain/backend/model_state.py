@@ -391,6 +391,15 @@ def load_whole_sharded(
 FUSED_DEVICES = ("cuda", "cpu")
 
 
+IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
+
+
+def optimizer_implementation(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each parameter group's implementation options (``fused``, ``foreach``, ...): what a loaded
+    state must not change."""
+    return [{k: group[k] for k in IMPLEMENTATION_KEYS if k in group} for group in optimizer.param_groups]
+
+
 def fused_optimizer(optimizer: torch.optim.Optimizer) -> tuple[torch.optim.Optimizer, str | None]:
     """The same optimizer with ``fused=True`` where torch has a fused kernel for its parameters'
     device and the factory chose no implementation (``fused`` and ``foreach`` left unset); else the

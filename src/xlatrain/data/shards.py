@@ -938,8 +938,11 @@ def _worker_main(reader: _BatchReader, buffer: torch.Tensor, slot_bytes: int, co
     """A worker: decode each batch received into its slot (or a batch of its own)."""
     # One decode at a time per process: torch's thread pool would only oversubscribe the cores.
     torch.set_num_threads(1)
-    # Ctrl-C reaches the whole process group; the main process handles it and stops the workers.
+    # Ctrl-C reaches the whole process group, and a scheduler's SIGTERM often does too (a job's
+    # processes, a container's): the main process handles them, finishes its step, saves, and
+    # stops the workers, which must live until then.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     reader.map_files = True
     rows = buffer.numpy()
     # One poll object for the life of the worker: Connection.poll builds a selector per call.
@@ -1087,7 +1090,7 @@ def _stop_workers(procs: list[multiprocessing.process.BaseProcess], conns: list[
     for proc in procs:
         proc.join(timeout=5)
         if proc.is_alive():
-            proc.terminate()
+            proc.kill()  # it ignores SIGTERM (see _worker_main)
             proc.join()
     for conn in conns:
         conn.close()

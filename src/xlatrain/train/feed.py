@@ -50,10 +50,14 @@ def decode_workers(requested: int | str, dataset: Any, batches: int) -> tuple[in
 
 
 def _quiet_worker(worker_id: int) -> None:
-    """A worker leaves Ctrl-C and SIGTERM to the training process, which stops the run and then
-    its workers (a worker that also heard them would print the stop notice again)."""
+    """A worker leaves Ctrl-C and SIGTERM to the training process, which finishes its step, saves
+    and then stops its workers. Both often reach every process of a job (Ctrl-C the terminal's
+    process group, a scheduler's SIGTERM the job's or container's processes): a worker that died
+    of one would fail the step the checkpoint waits for, and one that kept the training process's
+    handler would print the stop notice again. A worker whose training process is gone exits by
+    itself (the DataLoader's watchdog)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def data_loader(

@@ -4,6 +4,7 @@ continuing from one, and stopping on SIGTERM / SIGINT with a checkpoint of the s
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import signal
 import threading
@@ -14,6 +15,7 @@ from typing import Any
 
 import torch
 
+from xlatrain.backend.model_state import optimizer_implementation
 from xlatrain.checkpoint import (
     SHARDS_DIR,
     CheckpointError,
@@ -66,11 +68,17 @@ def resume(trainer: Trainer, resume: bool | str) -> tuple[Cursor, dict[str, torc
     else:
         path, tensors, meta = explicit_checkpoint(Path(resume), st)
     check_resumable(trainer, path, tensors, meta)
+    # How the optimizer computes (fused, foreach, ...) is this run's choice, not the checkpoint's:
+    # a state saved by a fused CUDA or single-device run also resumes under FSDP, whose sharded
+    # parameters have no fused kernel.
+    implementation = optimizer_implementation(trainer.optimizer)
     if tensors is None:  # a sharded state: each process reads the chunks its layout needs
         st.load_sharded(path / SHARDS_DIR, trainer.model, trainer.optimizer, meta["sharded"])
     else:
         weights, optim_state = unpack_whole(tensors, meta)
         st.load_whole(trainer.model, trainer.optimizer, weights, optim_state)
+    for group, chosen in zip(trainer.optimizer.param_groups, implementation):
+        group.update(chosen)
     cursor, per_process_sums, rng = unpack_meta(meta, trainer.scheduler)
     if trainer.grad_scaler is not None and "grad_scaler" in meta:
         trainer.grad_scaler.load_state_dict(meta["grad_scaler"])
@@ -277,6 +285,10 @@ class StopSignals:
         if self.signum is not None:
             if signum == self.signum and time.monotonic() - self._at < DUPLICATE_S:
                 return  # the same request twice: a launcher forwarded what the process group also got
+            # At once, and with this process's workers (data loading, shard decoding): they ignore
+            # the signal, and one left behind would hold the terminal or the launcher's pipe.
+            for child in multiprocessing.active_children():
+                child.kill()
             os._exit(128 + signum)  # files are written atomically: nothing is left torn
         self.signum, self._at = signum, time.monotonic()
         name = signal.Signals(signum).name
