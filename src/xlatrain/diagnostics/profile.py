@@ -338,7 +338,10 @@ class StepTrace:
         notes = []
         if not complete:
             notes.append(f"training stopped before step {self.stop}: the trace ends at the last step that ran")
-        if summary["between_steps_s"] > 0.5 * summary["traced_s"]:
+        # And at least 50 ms a gap: an evaluation or a checkpoint takes that; a few milliseconds
+        # between tiny steps is the host's scheduling, nothing to act on.
+        gaps = max(summary["num_steps"] - 1, 1)
+        if summary["between_steps_s"] > 0.5 * summary["traced_s"] and summary["between_steps_s"] >= 0.05 * gaps:
             notes.append(
                 "more than half the traced time passed between steps, not in them or waiting for input: "
                 "an epoch's end (evaluation, checkpoint) or a checkpoint every few steps fell inside the "
