@@ -13,7 +13,8 @@ Sizes are made tiny: ``xlatrain fit`` lines get a recipe's tiny-data overrides a
 right above the block) (``{root}`` is the repository). A
 block marked ``<!-- docs-test: skip: WHY -->`` is not run (the reason is reported); one marked
 ``<!-- docs-test: names -->`` is checked by name only; one marked ``<!-- docs-test: exits: 2 -->``
-must end with that status (a refusal the page shows). Commands are classified by what they need:
+must end with that status (a refusal the page shows); a Python block marked
+``<!-- docs-test: after-shell -->`` reads what its page's shell lines made, and they run before it. Commands are classified by what they need:
 ``accelerator=tpu`` / ``cuda`` / ``PJRT_DEVICE=TPU``, TorchTPU's launcher, ``gcloud`` and ``pip``
 are checked by name (the subcommand and flags parse, each ``--set`` key exists in the config,
 modules and Make targets exist); everything else runs.
@@ -97,6 +98,7 @@ class Block:
     names_only: bool = False
     exits: int = 0  # the exit status its commands end with (a refusal the page shows: 2)
     tiny: list[tuple[str, str]] = field(default_factory=list)
+    after_shell: bool = False  # a Python block that reads what its page's shell commands made
 
     def prepared(self) -> str:
         code = self.code
@@ -122,6 +124,8 @@ def blocks(page: Path) -> list[Block]:
                     block.skip = directive[len("skip:"):].strip()
                 elif directive == "names":
                     block.names_only = True
+                elif directive == "after-shell":
+                    block.after_shell = True
                 elif directive.startswith("exits:"):
                     block.exits = int(directive[len("exits:"):])
                 elif directive.startswith("tiny:"):
@@ -329,10 +333,10 @@ def test_every_block_of_the_page_runs_as_written_or_names_what_exists(page, tmp_
     work = _session_dir(tmp_path)
     python_blocks = [b for b in found if b.lang == "python"]
     # Shell commands run in the reading order of every page in one directory (the test below:
-    # README first, in a fresh directory). Here they run only on a page whose Python blocks run
-    # after them (and may read what they made: packed data, a run directory); elsewhere only
-    # those checked by name.
-    feeds_python = any(not b.skip and not b.names_only for b in python_blocks)
+    # README first, in a fresh directory). Here they run only on a page with a Python block
+    # marked ``<!-- docs-test: after-shell -->`` (it reads what they made: packed data, a run
+    # directory); elsewhere only those checked by name.
+    feeds_python = any(b.after_shell and not b.skip for b in python_blocks)
     report = [run_step(block, command, work) if feeds_python or block.names_only or command is None
               else f"{block.page}:{block.line} `{command.strip()[:70]}`: run in the one-directory test"
               for block, command in shell_steps(path)]

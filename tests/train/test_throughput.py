@@ -46,12 +46,18 @@ def one_thread():
 
 def test_a_compiled_epoch_reports_the_steady_rate_not_one_diluted_by_compilation(tmp_path, one_thread):
     # A compilation of its own: another test of this process that compiled _Paced would leave
-    # graphs this model's guards accept, and the epoch would hold no compilation to leave out.
+    # graphs this model's guards accept, and inductor's caches on disk would serve the rest; the
+    # epoch would then hold no compilation to leave out.
     torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        _compiled_epoch(tmp_path)
+
+
+def _compiled_epoch(tmp_path):
     torch.manual_seed(0)
     model = _Paced()
     g = torch.Generator().manual_seed(0)
-    data = torch.utils.data.TensorDataset(torch.randn(64 * 40, 256, generator=g), torch.randint(0, 10, (64 * 40,), generator=g))
+    data = torch.utils.data.TensorDataset(torch.randn(64 * 20, 256, generator=g), torch.randint(0, 10, (64 * 20,), generator=g))
     rates = _Rates()
     trainer = xlatrain.Trainer(
         model, nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.01),
@@ -71,7 +77,11 @@ def test_a_compiled_epoch_reports_the_steady_rate_not_one_diluted_by_compilation
     assert abs(row["samples_per_s"] / window_rate - 1) < 0.10, (row, window_rate)
     window_mfu = trainer.throughput.figures(window_rate)["mfu"]
     assert abs(row["mfu"] / window_mfu - 1) < 0.10
-    # Compilation took most of the epoch: a rate over the whole epoch would be a fraction of the steady one.
-    whole_epoch_rate = 40 * 64 / row["epoch_time_s"]
-    assert whole_epoch_rate < 0.5 * row["samples_per_s"], (whole_epoch_rate, row)
-    assert row["warmup_s"] > 0.5 * row["epoch_time_s"]  # the compile time, said beside the rate
+    # The compilation is in the epoch's time and not in its rate: a rate over the whole epoch would
+    # be well below the steady one (a third of it with a cold compile cache; the C++ kernels
+    # compiled by an earlier test of this process still cost half a second here), and the
+    # warm-up said beside the rate and the steady steps at that rate add up to the epoch.
+    whole_epoch_rate = 20 * 64 / row["epoch_time_s"]
+    assert whole_epoch_rate < 0.75 * row["samples_per_s"], (whole_epoch_rate, row)
+    steady_s = (20 - 2) * 64 / row["samples_per_s"]
+    assert abs(row["warmup_s"] + steady_s - row["epoch_time_s"]) < 0.1 * row["epoch_time_s"], row
