@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 import time
