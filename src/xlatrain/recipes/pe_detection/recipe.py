@@ -240,8 +240,9 @@ class SliceClassifier(nn.Module):
     With ``rotate_degrees``, training batches are rotated here, on the device, by an angle per
     slice drawn uniformly from ``[-rotate_degrees, rotate_degrees]`` (bilinear, corners 0, as the
     shard reader rotates). On a GPU this is where the rotation costs nothing: in the reader it is
-    about three quarters of a decode worker's time per slice (PIL's bilinear rotate), and with it
-    there the H200 host's 15 workers left the GPU waiting for a fifth of each epoch.
+    about two thirds of a decode worker's time per slice (PIL's bilinear rotate). Measured on an
+    H200 host with 15 workers, the input wait went from 18-23% to 10-12% of a 42-step epoch, and
+    from 22-23% to 18-20% of a 168-step one (benchmarks/cuda/NVIDIA-H200.json).
     """
 
     def __init__(self, backbone: nn.Module, rotate_degrees: float = 0.0) -> None:
