@@ -400,6 +400,17 @@ def optimizer_implementation(optimizer: torch.optim.Optimizer) -> list[dict[str,
     return [{k: group[k] for k in IMPLEMENTATION_KEYS if k in group} for group in optimizer.param_groups]
 
 
+def restore_implementation(optimizer: torch.optim.Optimizer, chosen: list[dict[str, Any]]) -> None:
+    """Put back what :func:`optimizer_implementation` read, after a state was loaded over it: an
+    option this optimizer was built without is dropped."""
+    for group, options in zip(optimizer.param_groups, chosen):
+        for key in IMPLEMENTATION_KEYS:
+            if key in options:
+                group[key] = options[key]
+            else:
+                group.pop(key, None)
+
+
 def fused_optimizer(optimizer: torch.optim.Optimizer) -> tuple[torch.optim.Optimizer, str | None]:
     """The same optimizer with ``fused=True`` where torch has a fused kernel for its parameters'
     device and the factory chose no implementation (``fused`` and ``foreach`` left unset); else the

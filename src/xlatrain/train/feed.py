@@ -112,14 +112,20 @@ class SeededBatches(Dataset):  # type: ignore[type-arg]
 
     def __init__(self, items: Any, collate_fn: Callable[[list[Any]], Any]) -> None:
         self.items, self.collate_fn = items, collate_fn
+        # A plain TensorDataset under the default collate: its batches are gathered whole.
+        whole = collate_fn is collate and type(items) is Items and type(items.dataset) is TensorDataset
+        self._tensors: tuple[torch.Tensor, ...] | None = items.dataset.tensors if whole else None
 
     def __len__(self) -> int:
         return len(self.items)
 
     def __getitems__(self, keys: list[tuple[int, int]]) -> list[Any]:
-        gathered = self._gathered([index for _, index in keys])
-        if gathered is not None:
-            return [gathered]  # no user code ran: nothing drew a random number
+        if self._tensors is not None:
+            # One index per tensor: the same tensors as stacking the items one by one, without a
+            # Python call and a copy per item (on a GPU whose steps take milliseconds, that
+            # showed). No user code runs: nothing draws a random number.
+            at = torch.tensor([index for _, index in keys])
+            return [tuple(t[at] for t in self._tensors)]
         # The generators' states as they are (no conversion: this runs once per batch, in the
         # training process itself where num_workers is 0).
         state = random.getstate(), np.random.get_state(), torch.get_rng_state()
@@ -137,15 +143,6 @@ class SeededBatches(Dataset):  # type: ignore[type-arg]
             raise ValueError(f"collate_fn {self.collate_fn!r} returned None: it must return the batch it makes of "
                              "the items it is given")
         return [batch]
-
-    def _gathered(self, indices: list[int]) -> tuple[torch.Tensor, ...] | None:
-        """A plain ``TensorDataset`` under the default collate: its batch gathered with one index
-        per tensor, the same tensors as stacking its items one by one (which costs a Python call
-        and a copy per item: on a GPU whose steps take milliseconds, that showed)."""
-        if self.collate_fn is not collate or type(self.items) is not Items or type(self.items.dataset) is not TensorDataset:
-            return None
-        at = torch.tensor(indices)
-        return tuple(t[at] for t in self.items.dataset.tensors)
 
 
 def _only(batches: list[Any]) -> Any:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from xlatrain.backend.model_state import IMPLEMENTATION_KEYS, optimizer_implementation
+from xlatrain.backend.model_state import optimizer_implementation, restore_implementation
 from xlatrain.checkpoint import (
     SHARDS_DIR,
     CheckpointError,
@@ -77,12 +77,7 @@ def resume(trainer: Trainer, resume: bool | str) -> tuple[Cursor, dict[str, torc
     else:
         weights, optim_state = unpack_whole(tensors, meta)
         st.load_whole(trainer.model, trainer.optimizer, weights, optim_state)
-    for group, chosen in zip(trainer.optimizer.param_groups, implementation):
-        for key in IMPLEMENTATION_KEYS:
-            if key in chosen:
-                group[key] = chosen[key]
-            else:
-                group.pop(key, None)  # an option this optimizer was built without
+    restore_implementation(trainer.optimizer, implementation)
     cursor, per_process_sums, rng = unpack_meta(meta, trainer.scheduler)
     if trainer.grad_scaler is not None and "grad_scaler" in meta:
         trainer.grad_scaler.load_state_dict(meta["grad_scaler"])
