@@ -74,3 +74,20 @@ def test_gloo_workers_outlive_a_ddp_group_destroyed_and_are_found_by_name():
     assert out.returncode == 0, out.stderr[-3000:]
     workers = re.search(r"WORKERS (\d+)", out.stdout)
     assert workers and int(workers[1]) >= 1, out.stdout + out.stderr[-3000:]
+
+
+USER_GROUP = """
+import atexit, torch.distributed as dist
+from xlatrain.backend import processes
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+before = atexit._ncallbacks()
+processes.Processes("cpu"), processes.Processes("cpu")  # two trainers in one script
+print("ADDED", atexit._ncallbacks() - before, processes._waiting_at_exit)
+dist.destroy_process_group()
+"""
+
+
+def test_a_group_the_user_made_still_gets_the_wait_once_and_is_not_destroyed_by_xlatrain():
+    out = subprocess.run([sys.executable, "-c", USER_GROUP], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "ADDED 1 True" in out.stdout, out.stdout + out.stderr[-3000:]

@@ -51,6 +51,18 @@ def _destroy_process_group() -> None:
     _wait_for_idle_threads(_GLOO_WORKER)
 
 
+_waiting_at_exit = False
+
+
+def _wait_at_exit() -> None:
+    """In a job whose group the user made (and destroys, or not), still let gloo's workers go
+    idle before the interpreter finalizes (once per process; see _wait_for_idle_threads)."""
+    global _waiting_at_exit
+    if not _waiting_at_exit:
+        _waiting_at_exit = True
+        atexit.register(_wait_for_idle_threads, _GLOO_WORKER)
+
+
 # The name torch gives each ProcessGroupGloo worker thread (c10::setThreadName in its run loop).
 _GLOO_WORKER = "pt_gloo_runloop"
 
@@ -131,6 +143,8 @@ class Processes:
             # The group made here is torn down while the interpreter is still whole (see
             # _destroy_process_group). A group the user made is theirs to destroy.
             atexit.register(_destroy_process_group)
+        elif dist.is_initialized():
+            _wait_at_exit()
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
