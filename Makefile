@@ -61,9 +61,11 @@ test-current: $(VENV)/.installed $(VENV)/.site-hook
 test-xla: $(VENV_XLA)/.installed
 	$(XBIN)/python -m pytest -m xla --durations=10 $(XDIST) $(PYTEST_ARGS)
 
-# The kill -9 fault-injection test with 200 trials instead of make test's 20.
+# The kill -9 fault-injection test with 200 trials instead of make test's 20, and 80 DDP jobs
+# that exit right after a gather (the abort at exit; none in make test).
 stress: $(VENV)/.installed $(VENV)/.site-hook
 	XLATRAIN_KILL_TRIALS=200 $(BIN)/python -m pytest -s -k kill_9 tests/train/test_resume.py
+	XLATRAIN_EXIT_TRIALS=80 $(BIN)/python -m pytest -s -k never_abort_at_exit tests/train/test_distributed.py
 
 demo: $(VENV)/.installed $(VENV)/.site-hook
 	$(BIN)/xlatrain demo

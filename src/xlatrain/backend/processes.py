@@ -104,8 +104,9 @@ def _wait_for_idle_threads(name: str, timeout_s: float = 2.0, poll_s: float = 0.
     wait alone.
 
     Idle means every worker sleeps and has not run for ``quiet_polls`` polls in a row: one that
-    wants the GIL gets it while this thread sleeps, and so runs. Returns False if the workers
-    were still busy at ``timeout_s`` (the exit goes on; at worst, the abort this avoids).
+    wants the GIL gets it while this thread sleeps, and so runs. A worker blocked in a collective
+    that never ends (a peer died) sleeps too, so it holds no one up. Returns False if a worker was
+    still running at ``timeout_s``; the exit then goes on, and the abort stays possible.
     """
     deadline = time.monotonic() + timeout_s
     last = _native_thread_activity(name)
