@@ -8,7 +8,7 @@ pages runs them (the pages in the site's order, mkdocs.yml's nav): a command ref
 earlier one left behind (a run directory holding another run) fails there. ``make demo`` runs its recipe (``xlatrain demo``); other Make
 targets are checked by name.
 Sizes are made tiny: ``xlatrain fit`` lines get a recipe's tiny-data overrides appended (later
-``--set`` wins), ``xlatrain demo`` trains two epochs, and a block may carry
+``--set`` wins), ``xlatrain demo`` trains one epoch, and a block may carry
 ``<!-- docs-test: tiny: OLD => NEW -->`` substitutions (one directive per marker line, the lines
 right above the block) (``{root}`` is the repository). A
 block marked ``<!-- docs-test: skip: WHY -->`` is not run (the reason is reported); one marked
@@ -287,7 +287,7 @@ def run_command(command: str, cwd: Path, exits: int = 0) -> str:
         for item in TINY[argv[1]]:
             argv = [*argv, "--set", item]
     if argv and argv[0] == "demo":
-        argv = [*argv, "--epochs", "2", "--min-accuracy", "0"]
+        argv = [*argv, "--epochs", "1", "--min-accuracy", "0"]
     full_env = reader_env({**env, "XLATRAIN_CACHE_DIR": str(cwd / ".cache")})
     proc = subprocess.run([*launcher, *argv], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=600,
                           stdin=subprocess.DEVNULL)
