@@ -20,6 +20,9 @@ import torch
 from xlatrain.backend.hardware import default_cache_dir
 
 MEASURE_S = 0.6  # time spent timing, after warm-up
+# Part of each cached figure's key: figures cached under an older way of measuring are not read.
+# v2: XLA:CPU waits for the matmul to finish (v1 timed its dispatch only, ~1,500x too fast).
+KEY_VERSION = "v2"
 
 
 def _cpu_model() -> str:
@@ -43,7 +46,7 @@ def measured_peak(device: torch.device, dtype: torch.dtype, sync: Callable[[torc
     once ``t`` is computed, and computes nothing else (a lazy device's other pending work stays
     pending)."""
     name = str(dtype).removeprefix("torch.")
-    key = f"{label}|{_cpu_model()}|threads={torch.get_num_threads()}|{name}|torch {torch.__version__}"
+    key = f"{label}|{_cpu_model()}|threads={torch.get_num_threads()}|{name}|torch {torch.__version__}|{KEY_VERSION}"
     source = f"measured {size}x{size} {name} matmul on {label}"
     path = cache_path()
     try:

@@ -251,9 +251,15 @@ class XlaRuntime:
 
         # The host's cores serve every virtual device: one device's share of the measured rate.
         # Only the matmul is computed (the run's pending work stays pending); it compiles once per
-        # machine, then the figure is cached: the run's compile counts leave it out.
+        # machine, then the figure is cached: the run's compile counts leave it out. unlazy returns
+        # once the matmul is dispatched, not done (timed alone it read ~1,500x the real rate):
+        # wait_device_ops waits for it to finish.
+        def sync(t: torch.Tensor) -> None:
+            xm.unlazy([t])
+            xm.wait_device_ops()
+
         before = self.runtime_stats()
-        rate, source = measured_peak(self.device, dtype, lambda t: xm.unlazy([t]), "XLA:CPU")
+        rate, source = measured_peak(self.device, dtype, sync, "XLA:CPU")
         after = self.runtime_stats()
         for key, value in after.items():
             self._own_stats[key] = self._own_stats.get(key, 0) + value - before.get(key, 0)
