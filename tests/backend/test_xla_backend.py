@@ -31,13 +31,30 @@ def test_tied_weights_stay_tied_after_moving_to_an_xla_device(tmp_path):
     assert "TIED OK xla" in out.stdout, out.stderr[-3000:]
 
 
+@pytest.fixture(scope="module")
+def cached_runs(tmp_path_factory):
+    """compile_count.py (SPMD over 4 devices) three times with one compile cache: ``a`` writes it,
+    ``b`` and ``c`` read it (``c`` asks for XLA's warnings with TF_CPP_MIN_LOG_LEVEL=1). Two tests
+    read these runs: one process start of torch_xla and its compilations is most of each."""
+    tmp = tmp_path_factory.mktemp("cached")
+    env = script_env({"PJRT_DEVICE": "CPU", "XLATRAIN_CACHE_DIR": str(tmp / "cache")})
+    env.pop("TF_CPP_MIN_LOG_LEVEL", None)
+    runs = {}
+    for run, extra in (("a", {}), ("b", {}), ("c", {"TF_CPP_MIN_LOG_LEVEL": "1"})):
+        proc = subprocess.run([sys.executable, str(SCRIPTS / "compile_count.py"), str(tmp / run)], env={**env, **extra},
+                              capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        [history] = [ln[len("HISTORY "):] for ln in proc.stdout.splitlines() if ln.startswith("HISTORY ")]
+        runs[run] = (json.loads(history), proc.stderr)
+    return tmp / "cache", runs
+
+
 @pytest.mark.xla
-def test_the_compile_cache_is_written_and_the_second_run_reports_what_it_got(tmp_path):
-    env = {"PJRT_DEVICE": "CPU", "XLATRAIN_CACHE_DIR": str(tmp_path / "cache")}
-    first = run_script([sys.executable, str(SCRIPTS / "compile_count.py"), str(tmp_path / "a")], env=env)
-    second = run_script([sys.executable, str(SCRIPTS / "compile_count.py"), str(tmp_path / "b")], env=env)
+def test_the_compile_cache_is_written_and_the_second_run_reports_what_it_got(cached_runs):
+    cache, runs = cached_runs
+    (first, _), (second, _) = runs["a"], runs["b"]
     compiled = first[-1]["xla_compilations"]
-    assert first[-1]["xla_cache_misses"] == compiled and any((tmp_path / "cache").iterdir())
+    assert first[-1]["xla_cache_misses"] == compiled and any(cache.iterdir())
     # Every graph of the second run was looked up in the cache: a hit on TPU/GPU; on XLA:CPU
     # torch_xla 2.9 cannot deserialize its own entries, and the history says so.
     got = second[-1]["xla_cache_hits"] + second[-1]["xla_cache_load_failures"]
@@ -209,21 +226,13 @@ def test_xla_cpu_defaults_fill_only_what_the_user_left_unset():
 
 
 @pytest.mark.xla
-def test_xla_cpu_runs_keep_the_console_free_of_repeated_runtime_warnings_unless_asked(tmp_path):
-    """SPMD over 4 devices, twice with one cache: XLA warns of GSPMD's deprecation at every
-    compilation and, in the second run, torch_xla fails to load each cached graph."""
-    env = script_env({"PJRT_DEVICE": "CPU", "XLATRAIN_CACHE_DIR": str(tmp_path / "cache")})
-    env.pop("TF_CPP_MIN_LOG_LEVEL", None)
-
-    def stderr(run: str, **extra: str) -> str:
-        cmd = [sys.executable, str(SCRIPTS / "compile_count.py"), str(tmp_path / run)]
-        proc = subprocess.run(cmd, env={**env, **extra}, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return proc.stderr
-
-    quiet = stderr("a") + stderr("b")
+def test_xla_cpu_runs_keep_the_console_free_of_repeated_runtime_warnings_unless_asked(cached_runs):
+    """SPMD over 4 devices, three times with one cache: XLA warns of GSPMD's deprecation at every
+    compilation and, in the runs after the first, torch_xla fails to load each cached graph."""
+    _, runs = cached_runs
+    quiet = runs["a"][1] + runs["b"][1]
     assert "GSPMD" not in quiet and "Failed to deserialize" not in quiet, quiet[-3000:]
-    asked = stderr("c", TF_CPP_MIN_LOG_LEVEL="1")
+    asked = runs["c"][1]
     assert "GSPMD sharding propagation is going to be deprecated" in asked
     assert "Failed to deserialize executable" in asked
 
