@@ -1,6 +1,10 @@
 """A small model of repeated blocks, with a tied embedding, trained under a chosen strategy.
 
-Usage: python strategy_fit.py RUN_DIR ACCELERATOR STRATEGY EPOCHS PER_DEVICE_BATCH [key=value ...]
+Usage: python strategy_fit.py RUN_DIR ACCELERATOR STRATEGY EPOCHS PER_DEVICE_BATCH [key=value ...] [--then JOB ...]
+Each ``--then`` starts another job (the same arguments) in the same processes, after the one
+before it: one launch of torch, xlatrain and the process group for several fits. Before each job
+of such a batch the main process prints ``JOB n``. hosts= and slow_part= (which change the
+process's environment and storage) are for a job of its own.
 keys: hosts=DIR (each process keeps its local files in DIR/host<n>, as if on a host of its own; per_host=K puts K
 processes on each: n = rank // K; slow_part=R: process R sends its checkpoint parts 0.5 s late)  opt=adamw (default SGD with momentum)  accum=N  clip=X  precision=bf16  every=N (checkpoint every N optimizer steps)  meta=1
 (build on the meta device)  ac=1 (activation checkpointing)  ema=D (an EMA of the weights with that decay)  predict=1  final=1 (save the final
@@ -59,8 +63,23 @@ def data(n: int, seed: int) -> TensorDataset:
 
 
 def main() -> None:
-    run_dir, accelerator, strategy, epochs, batch = sys.argv[1:6]
-    opts = dict(arg.split("=", 1) for arg in sys.argv[6:])
+    jobs: list[list[str]] = [[]]
+    for arg in sys.argv[1:]:
+        if arg == "--then":
+            jobs.append([])
+        else:
+            jobs[-1].append(arg)
+    for n, job in enumerate(jobs):
+        if len(jobs) > 1:
+            assert not any(a.startswith(("hosts=", "slow_part=")) for a in job), "hosts= and slow_part= need a job of their own"
+            if os.environ.get("RANK", "0") == "0":
+                print(f"JOB {n}", flush=True)
+        fit(job)
+
+
+def fit(args: list[str]) -> None:
+    run_dir, accelerator, strategy, epochs, batch = args[:5]
+    opts = dict(arg.split("=", 1) for arg in args[5:])
     if "hosts" in opts:  # a run directory on object storage: each process's working copy on a disk of its own
         host = int(os.environ.get("RANK", "0")) // int(opts.get("per_host", 1))
         os.environ["XLATRAIN_CACHE_DIR"] = f"{opts['hosts']}/host{host}"

@@ -31,17 +31,34 @@ def _torchrun(n):
     return [torchrun, "--nproc-per-node", str(n), "--master-port", "0", "--standalone"]
 
 
+def _parse(stdout):
+    found = {}
+    for line in stdout.splitlines():
+        tag, _, payload = line.partition(" ")
+        if tag in ("HISTORY", "FACTS", "PREDICT", "MEMORY"):
+            assert tag not in found, f"{tag} printed twice (by more than the main process):\n{stdout}"
+            found[tag] = json.loads(payload)
+    found["stdout"] = stdout
+    return found
+
+
 def _fit(run_dir, accelerator, strategy, epochs, batch, *opts, launcher=(sys.executable,), env=None):
     proc = run_command([*launcher, SCRIPT, str(run_dir), accelerator, strategy, str(epochs), str(batch), *opts],
                        env=env, timeout=600)
-    found = {}
-    for line in proc.stdout.splitlines():
-        tag, _, payload = line.partition(" ")
-        if tag in ("HISTORY", "FACTS", "PREDICT", "MEMORY"):
-            assert tag not in found, f"{tag} printed twice (by more than the main process):\n{proc.stdout}"
-            found[tag] = json.loads(payload)
-    found["stdout"] = proc.stdout
-    return found
+    return _parse(proc.stdout)
+
+
+def _fits(jobs, launcher=(sys.executable,)):
+    """Several fits one after another in one launch (strategy_fit.py's ``--then``): ``jobs`` maps a
+    name to ``(run_dir, accelerator, strategy, epochs, batch, *opts)``; returns name -> what
+    :func:`_fit` returns. Each fit starts from the same seed, as in a process of its own."""
+    args = []
+    for job in jobs.values():
+        args += ["--then", *map(str, job)]
+    proc = run_command([*launcher, SCRIPT, *args[1:]], timeout=600)
+    parts = proc.stdout.split("JOB ")[1:]
+    assert len(parts) == len(jobs), proc.stdout[-3000:]
+    return {name: _parse(part.partition("\n")[2]) for name, part in zip(jobs, parts)}
 
 
 def _same_losses(a, b, rel=REL):
@@ -66,15 +83,46 @@ def _same_weights(a, b, rtol=1e-5, atol=1e-6):
 
 
 @pytest.fixture(scope="module")
-def ddp(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("ddp")
-    return run_dir, _fit(run_dir, "cpu", "ddp", 2, 12, *COMMON, launcher=_torchrun(2))
+def two_processes(tmp_path_factory):
+    """The module's fits under torchrun with two processes that start from nothing, in one launch
+    (a torchrun start, two imports of torch and a rendezvous is most of each fit's time)."""
+    root = tmp_path_factory.mktemp("two-processes")
+    runs = _fits({
+        "ddp": (root / "ddp", "cpu", "ddp", 2, 12, *COMMON),
+        "fsdp": (root / "fsdp", "cpu", "fsdp", 2, 12, *COMMON),
+        "meta": (root / "meta", "cpu", "fsdp", 2, 12, "meta=1"),
+        "ema": (root / "ema-whole", "cpu", "fsdp", 2, 12, "ema=0.8"),
+        "ema-split": (root / "ema-split", "cpu", "fsdp", 1, 12, "ema=0.8"),
+    }, launcher=_torchrun(2))
+    return root, runs
 
 
 @pytest.fixture(scope="module")
-def fsdp(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("fsdp")
-    return run_dir, _fit(run_dir, "cpu", "fsdp", 2, 12, *COMMON, launcher=_torchrun(2))
+def ddp(two_processes):
+    root, runs = two_processes
+    return root / "ddp", runs["ddp"]
+
+
+@pytest.fixture(scope="module")
+def fsdp(two_processes):
+    root, runs = two_processes
+    return root / "fsdp", runs["fsdp"]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The module's one-process fits, in one process: the same model built on the host and on the
+    meta device, and FSDP in float32, bfloat16 and with activation checkpointing."""
+    root = tmp_path_factory.mktemp("one-process")
+    runs = _fits({
+        "host": (root / "host", "cpu", "single", 1, 24),
+        "meta": (root / "meta", "cpu", "single", 1, 24, "meta=1"),
+        "meta-fsdp": (root / "meta-fsdp", "cpu", "fsdp", 1, 24, "meta=1"),
+        "fsdp": (root / "fsdp", "cpu", "fsdp", 2, 24),
+        "bf16": (root / "bf16", "cpu", "fsdp", 2, 24, "precision=bf16", "final=1"),
+        "ac": (root / "ac", "cpu", "fsdp", 2, 24, "ac=1"),
+    })
+    return root, runs
 
 
 @pytest.mark.multiprocess
@@ -237,10 +285,9 @@ def test_fsdp_on_two_hosts_of_two_processes_checkpoints_each_part_and_resumes_on
     _same_losses(resumed["HISTORY"], whole["HISTORY"])
 
 
-def test_a_model_built_on_the_meta_device_starts_as_the_model_built_on_the_host(tmp_path):
-    host = _fit(tmp_path / "host", "cpu", "single", 1, 24)
-    meta = _fit(tmp_path / "meta", "cpu", "single", 1, 24, "meta=1")
-    fsdp = _fit(tmp_path / "meta-fsdp", "cpu", "fsdp", 1, 24, "meta=1")
+def test_a_model_built_on_the_meta_device_starts_as_the_model_built_on_the_host(one_process):
+    _, runs = one_process
+    host, meta, fsdp = runs["host"], runs["meta"], runs["meta-fsdp"]
     # Same seed, same reset_parameters() in module order, the tied weight keeping its first
     # owner's (the embedding's) values: the same numbers as building it on the host.
     _same_losses(meta["HISTORY"], host["HISTORY"], rel=0)
@@ -248,39 +295,41 @@ def test_a_model_built_on_the_meta_device_starts_as_the_model_built_on_the_host(
 
 
 @pytest.mark.multiprocess
-def test_a_meta_device_model_trains_under_fsdp_in_two_processes(tmp_path):
-    out = _fit(tmp_path, "cpu", "fsdp", 2, 12, "meta=1", launcher=_torchrun(2))
+def test_a_meta_device_model_trains_under_fsdp_in_two_processes(two_processes):
+    out = two_processes[1]["meta"]
     history = out["HISTORY"]
     assert history[-1]["train_loss"] < history[0]["train_loss"]
     assert all(f["tied"] and f["parameter_types"] == ["DTensor"] for f in out["FACTS"])
 
 
-def test_bf16_under_fsdp_keeps_float32_weights_and_follows_the_float32_run(tmp_path):
-    fp32 = _fit(tmp_path / "32", "cpu", "fsdp", 2, 24)
-    bf16 = _fit(tmp_path / "bf16", "cpu", "fsdp", 2, 24, "precision=bf16", "final=1")
+def test_bf16_under_fsdp_keeps_float32_weights_and_follows_the_float32_run(one_process):
+    root, runs = one_process
+    fp32, bf16 = runs["fsdp"], runs["bf16"]
     for a, b in zip(bf16["HISTORY"], fp32["HISTORY"]):
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=0.05)
         assert a["train_loss"] != b["train_loss"]  # it did compute in bfloat16
-    assert {t.dtype for t in _weights(tmp_path / "bf16" / "final.safetensors").values()} == {torch.float32}
+    assert {t.dtype for t in _weights(root / "bf16" / "final.safetensors").values()} == {torch.float32}
 
 
-def test_activation_checkpointing_keeps_the_trajectory(tmp_path):
-    plain = _fit(tmp_path / "plain", "cpu", "fsdp", 2, 24)
-    checkpointed = _fit(tmp_path / "ac", "cpu", "fsdp", 2, 24, "ac=1")
+def test_activation_checkpointing_keeps_the_trajectory(one_process):
+    _, runs = one_process
+    plain, checkpointed = runs["fsdp"], runs["ac"]
     assert "activation checkpointing" in checkpointed["stdout"]
     _same_losses(checkpointed["HISTORY"], plain["HISTORY"])
 
 
 @pytest.mark.multiprocess
-def test_the_ema_is_sharded_with_the_optimizer_state_and_comes_back_on_resume(tmp_path):
-    whole = _fit(tmp_path / "whole", "cpu", "fsdp", 2, 12, "ema=0.8", launcher=_torchrun(2))["HISTORY"]
-    _fit(tmp_path / "split", "cpu", "fsdp", 1, 12, "ema=0.8", launcher=_torchrun(2))
-    resumed = _fit(tmp_path / "split", "cpu", "fsdp", 2, 12, "ema=0.8", launcher=_torchrun(2))
+def test_the_ema_is_sharded_with_the_optimizer_state_and_comes_back_on_resume(two_processes, tmp_path):
+    # Two epochs, and one epoch of the same run (both in the module's launch); a new launch resumes it.
+    root, runs = two_processes
+    whole = runs["ema"]["HISTORY"]
+    split = shutil.copytree(root / "ema-split", tmp_path / "split")
+    resumed = _fit(split, "cpu", "fsdp", 2, 12, "ema=0.8", launcher=_torchrun(2))
     assert "resumed from" in resumed["stdout"]
     # The EMA weights of epoch 2 score the same: their averages came back from the sharded checkpoint.
     assert resumed["HISTORY"][-1]["val_ema_loss"] == pytest.approx(whole[-1]["val_ema_loss"], rel=1e-6)
     assert whole[-1]["val_ema_loss"] != whole[-1]["val_loss"]
-    _same_weights(tmp_path / "split" / "ema.safetensors", tmp_path / "whole" / "ema.safetensors", rtol=1e-6, atol=1e-7)
+    _same_weights(split / "ema.safetensors", root / "ema-whole" / "ema.safetensors", rtol=1e-6, atol=1e-7)
 
 
 def _tied_net():
