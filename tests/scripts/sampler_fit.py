@@ -4,10 +4,13 @@ Usage: python sampler_fit.py RUN_DIR MODE PER_DEVICE_BATCH [xla]  (xla: 4 virtua
 MODE: shared (one order for every process, a reversed-stride permutation), factory
 (DistributedSampler built per process), uneven (a per-process sampler that gives rank 1 fewer
 indices than rank 0). READ: per process, the dataset indices its batches held, in order.
+Several modes, comma-separated, fit one after another in the same processes (in RUN_DIR/MODE),
+each after a line ``JOB MODE`` from the main process: one launch for several fits.
 """
 
 import functools
 import json
+import os
 import sys
 
 import torch
@@ -49,8 +52,18 @@ class Uneven(torch.utils.data.Sampler):
 
 
 def main() -> None:
-    run_dir, mode, batch = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    run_dir, modes, batch = sys.argv[1], sys.argv[2].split(","), int(sys.argv[3])
     where = {"accelerator": "xla", "devices": 4} if sys.argv[4:] == ["xla"] else {"accelerator": "cpu"}
+    if len(modes) == 1:
+        fit(run_dir, modes[0], batch, where)
+        return
+    for mode in modes:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"JOB {mode}", flush=True)
+        fit(f"{run_dir}/{mode}", mode, batch, where)
+
+
+def fit(run_dir: str, mode: str, batch: int, where: dict) -> None:
     sampler = {
         "shared": [(37 * i) % N for i in range(N)][::-1],
         "factory": functools.partial(DistributedSampler, shuffle=False),

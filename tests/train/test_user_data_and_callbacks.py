@@ -250,26 +250,37 @@ def _sampler_fit(tmp_path, name, mode, batch, processes):
         shutil.which("torchrun", path=str(Path(sys.executable).parent)),
         "--nproc-per-node", str(processes), "--master-port", "0", "--standalone"]
     proc = run_command([*launcher, str(SCRIPTS / "sampler_fit.py"), str(tmp_path / name), mode, str(batch)], timeout=300)
-    found = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if line.startswith(("HISTORY ", "READ ")))
-    return json.loads(found["HISTORY"]), json.loads(found["READ"])
+
+    def parse(out):
+        found = dict(line.split(" ", 1) for line in out.splitlines() if line.startswith(("HISTORY ", "READ ")))
+        return json.loads(found["HISTORY"]), json.loads(found["READ"])
+
+    if "," not in mode:
+        return parse(proc.stdout)
+    # Several modes in one launch: each one's lines follow its "JOB MODE" line.
+    parts = [part.partition("\n") for part in proc.stdout.split("JOB ")[1:]]
+    assert [head for head, _, _ in parts] == mode.split(","), proc.stdout[-3000:]
+    return {head: parse(body) for head, _, body in parts}
 
 
 @pytest.mark.multiprocess
 def test_under_ddp_a_shared_order_is_split_over_processes_and_per_process_samplers_agree_on_the_steps(tmp_path):
     order = [(37 * i) % 64 for i in range(64)][::-1]
     alone, _ = _sampler_fit(tmp_path, "alone", "shared", 16, 1)
-    two, reads = _sampler_fit(tmp_path, "two", "shared", 8, 2)
+    # The three two-process fits in one torchrun launch.
+    fits = _sampler_fit(tmp_path, "two", "shared,factory,uneven", 8, 2)
+    two, reads = fits["shared"]
     # The same global batches in the same order: two processes train as one does.
     assert [r["train_loss"] for r in two] == pytest.approx([r["train_loss"] for r in alone], rel=1e-5)
     for rank, read in enumerate(reads):  # the last 2 epochs x 4 steps x 8 are the training reads
         mine = [i for step in range(4) for i in order[step * 16 + rank * 8: step * 16 + rank * 8 + 8]]
         assert read[-64:] == mine * 2
     # DistributedSampler built for each process: each reads its own indices.
-    _, reads = _sampler_fit(tmp_path, "factory", "factory", 8, 2)
+    _, reads = fits["factory"]
     for rank, read in enumerate(reads):
         assert read[-64:] == list(range(rank, 64, 2)) * 2
     # Rank 1's sampler gives 16 indices, rank 0's 24: both run 2 steps an epoch, and nothing waits.
-    history, reads = _sampler_fit(tmp_path, "uneven", "uneven", 8, 2)
+    history, reads = fits["uneven"]
     assert len(history) == 2
     assert reads[0][-32:] == list(range(0, 32, 2)) * 2
     assert reads[1][-32:] == list(range(1, 32, 2)) * 2
