@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import SCRIPTS, run_command, run_script, script_env
+from conftest import SCRIPTS, run_command, script_env
 from xlatrain.backend.xla import cpu_runtime_defaults
 
 TIED = """
