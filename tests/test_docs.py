@@ -71,6 +71,7 @@ def reading_order() -> list[Path]:
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 MARK = re.compile(r"<!--\s*docs-test:\s*(.*?)\s*-->")
 XLA_PYTHON = ROOT / ".venv-xla" / "bin" / "python"
+COMMAND_TIMEOUT_S = 200
 
 # What makes a recipe's run tiny (appended after the line's own --set, so it wins).
 TINY = {
@@ -289,8 +290,14 @@ def run_command(command: str, cwd: Path, exits: int = 0) -> str:
     if argv and argv[0] == "demo":
         argv = [*argv, "--epochs", "1", "--min-accuracy", "0"]
     full_env = reader_env({**env, "XLATRAIN_CACHE_DIR": str(cwd / ".cache")})
-    proc = subprocess.run([*launcher, *argv], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=600,
-                          stdin=subprocess.DEVNULL)
+    try:
+        # Each command takes seconds at the tiny sizes (at most ~40 s measured, loaded); well
+        # under the test's own limit, so that a command that hangs is named with what it printed.
+        proc = subprocess.run([*launcher, *argv], cwd=cwd, env=full_env, capture_output=True, text=True,
+                              timeout=COMMAND_TIMEOUT_S, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired as exc:
+        said = [(out.decode(errors="replace") if isinstance(out, bytes) else out or "")[-2500:] for out in (exc.stdout, exc.stderr)]
+        raise AssertionError(f"`{command}` did not finish in {COMMAND_TIMEOUT_S} s:\n{said[0]}\n{said[1]}") from None
     assert proc.returncode == exits, f"`{command}` exited {proc.returncode}:\n{proc.stdout[-2500:]}\n{proc.stderr[-2500:]}"
     return "ran" if exits == 0 else f"ran, exited {exits} as the page says"
 
