@@ -54,14 +54,13 @@ def stratified_split(labels: torch.Tensor, val_fraction: float, seed: int) -> tu
         (5, 5, 2)
     """
     g = torch.Generator().manual_seed(seed)
-    classes = labels.unique().tolist()
-    sizes = torch.tensor([int((labels == c).sum()) for c in classes], dtype=torch.float64)
-    share = sizes * math.ceil(val_fraction * len(labels)) / len(labels)
+    classes, sizes = labels.unique(return_counts=True)
+    num_val = math.ceil(val_fraction * len(labels))
+    share = sizes.double() * num_val / len(labels)
     take = share.floor().long()
-    left = math.ceil(val_fraction * len(labels)) - int(take.sum())
-    take[torch.argsort(share - take, descending=True, stable=True)[:left]] += 1
+    take[torch.argsort(share - take, descending=True, stable=True)[:num_val - int(take.sum())]] += 1
     train, val = [], []
-    for c, n in zip(classes, take.tolist()):
+    for c, n in zip(classes.tolist(), take.tolist()):
         rows = (labels == c).nonzero().flatten()
         rows = rows[torch.randperm(len(rows), generator=g)]
         val.append(rows[:n])
