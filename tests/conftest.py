@@ -132,6 +132,19 @@ def run_script(args: list[str], env: dict[str, str] | None = None, timeout: int 
     return json.loads(lines[0][len("HISTORY ") :])
 
 
+def job_outputs(stdout: str, names: list[str]) -> list[str]:
+    """A batch script's output split per job: the lines after each ``JOB NAME`` line the script's
+    main process prints before a job, up to the next. The jobs must be ``names``, in order."""
+    parts: list[tuple[str, list[str]]] = []
+    for line in stdout.splitlines():
+        if line.startswith("JOB "):
+            parts.append((line[len("JOB "):], []))
+        elif parts:
+            parts[-1][1].append(line)
+    assert [name for name, _ in parts] == names, f"expected jobs {names}:\n{stdout[-3000:]}"
+    return ["\n".join(lines) for _, lines in parts]
+
+
 def image_folder(root: Path, num: int, size: int = 16) -> tuple[Path, Path]:
     """``num`` grey ``size`` px JPEGs ``root/img/{i}.jpg`` and ``root/t.csv`` listing them
     (columns path, rid = i, cls = i % 3, grp = g{i // 4}): what the pack and shard tests pack."""

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import SCRIPTS, run_command
+from conftest import SCRIPTS, job_outputs, run_command
 
 SCRIPT = str(SCRIPTS / "strategy_fit.py")
 REL = 1e-5
@@ -56,9 +56,8 @@ def _fits(jobs, launcher=(sys.executable,)):
     for job in jobs.values():
         args += ["--then", *map(str, job)]
     proc = run_command([*launcher, SCRIPT, *args[1:]], timeout=600)
-    parts = proc.stdout.split("JOB ")[1:]
-    assert len(parts) == len(jobs), proc.stdout[-3000:]
-    return {name: _parse(part.partition("\n")[2]) for name, part in zip(jobs, parts)}
+    outputs = job_outputs(proc.stdout, [str(n) for n in range(len(jobs))])
+    return {name: _parse(out) for name, out in zip(jobs, outputs)}
 
 
 def _same_losses(a, b, rel=REL):

@@ -244,7 +244,7 @@ def _sampler_fit(tmp_path, name, mode, batch, processes):
     import sys
     from pathlib import Path
 
-    from conftest import SCRIPTS, run_command
+    from conftest import SCRIPTS, job_outputs, run_command
 
     launcher = [sys.executable] if processes == 1 else [
         shutil.which("torchrun", path=str(Path(sys.executable).parent)),
@@ -258,9 +258,8 @@ def _sampler_fit(tmp_path, name, mode, batch, processes):
     if "," not in mode:
         return parse(proc.stdout)
     # Several modes in one launch: each one's lines follow its "JOB MODE" line.
-    parts = [part.partition("\n") for part in proc.stdout.split("JOB ")[1:]]
-    assert [head for head, _, _ in parts] == mode.split(","), proc.stdout[-3000:]
-    return {head: parse(body) for head, _, body in parts}
+    modes = mode.split(",")
+    return dict(zip(modes, map(parse, job_outputs(proc.stdout, modes))))
 
 
 @pytest.mark.multiprocess
