@@ -125,7 +125,7 @@ def _distributions_providing(module: str) -> list[str]:
         top = set((dist.read_text("top_level.txt") or "").split())
         top |= {f.parts[0].removesuffix(".py") for f in dist.files or [] if f.parts}
         if module in top:
-            return [dist.metadata["Name"]]
+            return [dist.metadata["Name"] or module]
     return md.packages_distributions().get(module) or [module]
 
 
