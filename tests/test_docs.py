@@ -17,11 +17,10 @@ must end with that status (a refusal the page shows); a Python block marked
 ``<!-- docs-test: after-shell -->`` reads what its page's shell lines made, and they run before it. Commands are classified by what they need:
 ``accelerator=tpu`` / ``cuda`` / ``PJRT_DEVICE=TPU``, TorchTPU's launcher, ``gcloud`` and ``pip``
 are checked by name (the subcommand and flags parse, each ``--set`` key exists in the config,
-modules and Make targets exist); everything else runs. Commands run in the tests' script environment
-(conftest.script_env): one difference a reader would not have is that XLA:CPU generates code at
-LLVM optimization level 0 (``XLA_FLAGS``), which makes the XLA commands' compiles faster and
-changes none of the behaviour the pages describe (only compile time and
-the speed of the compiled code).
+modules and Make targets exist); everything else runs. Commands run in the tests' script
+environment (conftest.script_env), with one difference a reader would not have: XLA:CPU generates
+code at LLVM optimization level 0 (``XLA_FLAGS``), which changes how long XLA commands compile
+and how fast their code runs, not what the pages describe.
 """
 
 from __future__ import annotations
