@@ -12,6 +12,8 @@ import importlib.metadata as md
 import importlib.util
 import json
 import os
+import resource
+import signal
 import subprocess
 import sys
 import tempfile
@@ -50,6 +52,11 @@ skip_idle_torch_tpu_autoload(_SCRIPT_ENV)
 # own optimization was most of each compile (the depth-mask recipe's warm-up on 4 devices:
 # 19.2 s at XLA's default, 7.1 s at 0, measured). A test that sets XLA_FLAGS replaces it.
 _SCRIPT_ENV["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
+# A script that outlives its time is sent SIGABRT (see run_bounded); with faulthandler on, each
+# Python process prints every thread's stack before it dies, so a hang in CI says where it was.
+_SCRIPT_ENV["PYTHONFAULTHANDLER"] = "1"
+# ... and leaves no core file: an XLA process's would be gigabytes, in whatever directory it ran.
+resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
 _deselected_xla: list[str] = []
 
 
@@ -119,10 +126,53 @@ def script_env(env: dict[str, str] | None = None) -> dict[str, str]:
     return full_env
 
 
+def _descendants(pid: int) -> list[int]:
+    """The processes ``pid`` started, and the ones they started (read from /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):  # gone meanwhile
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        found.extend(kids := children.get(todo.pop(), []))
+        todo.extend(kids)
+    return found
+
+
+def run_bounded(args: list[str], env: dict[str, str], timeout: float, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Run ``args`` with its output captured. One still running after ``timeout`` seconds fails the
+    test with what it printed and where it was: every process of its tree gets SIGABRT, on which a
+    Python process with faulthandler on (``script_env`` sets PYTHONFAULTHANDLER) prints the stack
+    of each of its threads to stderr; whatever still runs 30 s later is killed."""
+    proc = subprocess.Popen(args, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            stdin=subprocess.DEVNULL)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        tree = [proc.pid, *_descendants(proc.pid)]
+        for sig in (signal.SIGABRT, signal.SIGKILL):
+            for pid in tree:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            try:
+                out, err = proc.communicate(timeout=30)
+                break
+            except subprocess.TimeoutExpired as exc:  # what was read so far, as bytes
+                out, err = (b.decode(errors="replace") if b else "" for b in (exc.stdout, exc.stderr))
+        raise AssertionError(f"{' '.join(map(str, args))} did not finish in {timeout} s; its processes ({len(tree)}) were "
+                             f"sent SIGABRT, and each Python one printed its threads' stacks to stderr:\n"
+                             f"--- stdout (a pipe, so what was flushed) ---\n{out[-3000:]}\n--- stderr ---\n{err[-12000:]}") from None
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)
+
+
 def run_command(args: list[str], env: dict[str, str] | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
     """Run ``args`` in a clean environment (see :func:`script_env`); fail with its output."""
-    full_env = script_env(env)
-    proc = subprocess.run(args, env=full_env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    proc = run_bounded(args, script_env(env), timeout)
     # No exit code is excused: a process that aborts at exit after training ("terminate called
     # without an active exception", gloo's threads at interpreter shutdown) fails here. The group
     # xlatrain makes is torn down, and collected, at exit (backend/processes.py).

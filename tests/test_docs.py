@@ -37,7 +37,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SCRIPTS, script_env
+from conftest import SCRIPTS, run_bounded, script_env
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -293,14 +293,12 @@ def run_command(command: str, cwd: Path, exits: int = 0) -> str:
     if argv and argv[0] == "demo":
         argv = [*argv, "--epochs", "1", "--min-accuracy", "0"]
     full_env = reader_env({**env, "XLATRAIN_CACHE_DIR": str(cwd / ".cache")})
+    # Each command takes seconds at the tiny sizes (at most ~40 s measured, loaded); well under the
+    # test's own limit, so that a command that hangs is named with what it printed and where it was.
     try:
-        # Each command takes seconds at the tiny sizes (at most ~40 s measured, loaded); well
-        # under the test's own limit, so that a command that hangs is named with what it printed.
-        proc = subprocess.run([*launcher, *argv], cwd=cwd, env=full_env, capture_output=True, text=True,
-                              timeout=COMMAND_TIMEOUT_S, stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired as exc:
-        said = [(out.decode(errors="replace") if isinstance(out, bytes) else out or "")[-2500:] for out in (exc.stdout, exc.stderr)]
-        raise AssertionError(f"`{command}` did not finish in {COMMAND_TIMEOUT_S} s:\n{said[0]}\n{said[1]}") from None
+        proc = run_bounded([*launcher, *argv], full_env, COMMAND_TIMEOUT_S, cwd=cwd)
+    except AssertionError as exc:
+        raise AssertionError(f"`{command}`: {exc}") from None
     assert proc.returncode == exits, f"`{command}` exited {proc.returncode}:\n{proc.stdout[-2500:]}\n{proc.stderr[-2500:]}"
     return "ran" if exits == 0 else f"ran, exited {exits} as the page says"
 
@@ -360,8 +358,7 @@ def test_every_block_of_the_page_runs_as_written_or_names_what_exists(page, tmp_
     if session:
         (tmp_path / "blocks.json").write_text(json.dumps(session))
         env = reader_env({"XLATRAIN_CACHE_DIR": str(work / ".cache")})
-        proc = subprocess.run([sys.executable, str(SCRIPTS / "doc_session.py"), str(tmp_path / "blocks.json")],
-                              cwd=work, env=env, capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
+        proc = run_bounded([sys.executable, str(SCRIPTS / "doc_session.py"), str(tmp_path / "blocks.json")], env, 900, cwd=work)
         assert proc.returncode == 0, f"{page}: a Python block failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
         report += [f"{page}:{b['line']}: ran" for b in session]
     print("\n".join(report))
