@@ -4,13 +4,12 @@ four XLA devices (or a config on the CPU and then on XLA) train two runs instead
 being refused for the first's checkpoint."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import script_env
+from conftest import run_bounded, script_env
 from xlatrain.cli import main
 from xlatrain.config import load_run_config
 from xlatrain.recipes.run import run_dir_for_launch, with_launch_run_dir
@@ -68,8 +67,7 @@ def test_make_demo_then_the_demo_on_four_xla_devices_in_one_directory(tmp_path):
     """The README pair that collided (`cannot resume from runs/demo/...: the run cannot continue
     under run.global_batch 32 -> 128`): now each trains its own run, and finds it again."""
     def run(args: list[str], **env: str) -> str:
-        proc = subprocess.run(args, cwd=tmp_path, env=script_env(env), capture_output=True, text=True, timeout=600,
-                              stdin=subprocess.DEVNULL)
+        proc = run_bounded(args, script_env(env), 600, cwd=tmp_path)
         assert proc.returncode == 0, f"{' '.join(args[2:])} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
         return proc.stdout + proc.stderr
 

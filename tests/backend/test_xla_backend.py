@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import SCRIPTS, run_command, script_env
+from conftest import SCRIPTS, run_bounded, run_command, script_env
 from xlatrain.backend.xla import cpu_runtime_defaults
 
 TIED = """
@@ -41,8 +41,7 @@ def cached_runs(tmp_path_factory):
     env.pop("TF_CPP_MIN_LOG_LEVEL", None)
     runs = {}
     for run, extra in (("a", {}), ("b", {}), ("c", {"TF_CPP_MIN_LOG_LEVEL": "1"})):
-        proc = subprocess.run([sys.executable, str(SCRIPTS / "compile_count.py"), str(tmp / run)], env={**env, **extra},
-                              capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+        proc = run_bounded([sys.executable, str(SCRIPTS / "compile_count.py"), str(tmp / run)], {**env, **extra}, 300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         [history] = [ln[len("HISTORY "):] for ln in proc.stdout.splitlines() if ln.startswith("HISTORY ")]
         runs[run] = (json.loads(history), proc.stderr)

@@ -118,6 +118,7 @@ def test_the_progress_bar_reads_the_device_as_often_as_plain_lines(tmp_path):
                 if not chunk:
                     break
                 out += chunk
+            os.close(leader)
             proc.wait(timeout=120)
             text = out.decode(errors="replace")
             assert "\r" in text and "samples/s" in text and "it/s" not in text.split("HISTORY")[-1]
