@@ -115,7 +115,22 @@ try:
     error = None
 except ValueError as exc:
     error = str(exc)
+
+
+import threading
+made_on_main = []
+
+
+def recording():
+    for i in range(3):
+        made_on_main.append(threading.current_thread() is threading.main_thread())
+        yield torch.full((4,), float(i))
+
+
+consumed = [b.cpu().tolist() for b in be.runtime.wrap_loader(recording(), be.strategy.input_sharding)]
+empty = list(be.runtime.wrap_loader([], be.strategy.input_sharding))
 print("RESULT " + json.dumps({
+    "made_on_main": made_on_main, "consumed": consumed, "empty": len(empty),
     "cuts": cuts, "batches": len(got), "structure": [type(b).__name__ for b in (got[0], first, first["b"])],
     "device": first["a"].device.type, "spec": spec,
     "values": all(torch.equal(x["a"].cpu(), h[0]["a"]) and torch.equal(x["b"][0].cpu(), h[0]["b"][0])
@@ -143,6 +158,10 @@ def test_the_device_loader_keeps_batches_whole_sharded_and_leaves_graph_cuts_to_
     # A failing dataset fails the epoch instead of ending it early as if the data had run out.
     assert got["error"] == "item 7 is corrupt"
     assert got["aliasing"] == "0"
+    # The first batch is made on the calling thread (a loader forks its worker processes there,
+    # with the device idle), the rest in torch_xla's loader thread; nothing is lost or reordered.
+    assert got["made_on_main"] == [True, False, False]
+    assert got["consumed"] == [[0.0] * 4, [1.0] * 4, [2.0] * 4] and got["empty"] == 0
 
 
 STEPS = """

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import itertools
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator, MutableMapping, Sequence
@@ -381,6 +382,7 @@ def _start_compile_cache(spmd: bool) -> str | None:
 # torch_xla's loader cuts the graph (torch_xla.sync) every this many batches. The caller's
 # step_end already cuts it once per step, so the loader never should.
 _NO_LOADER_SYNC = 2**62
+_END = object()  # a loader with no batch
 
 
 class BatchSharding:
@@ -428,12 +430,23 @@ class _DeviceLoader:
 
     def __iter__(self) -> Iterator[Any]:
         import torch_xla
+        import torch_xla.core.xla_model as xm
         import torch_xla.distributed.parallel_loader as pl
 
         # Work queued before the first batch (fresh running sums, restored state) runs as a
         # graph of its own, so the first step traces the same graph in every epoch.
         torch_xla.sync()
-        host = _Flattened(self._loader)
+        # The first batch is made here, on this thread, with the device idle; torch_xla's threads
+        # take the rest. A loader forks its worker processes (a DataLoader's, a ShardDataset's
+        # decoders) when it makes its first batch, and a process forked while another thread
+        # holds a lock gets that lock held forever: a DataLoader worker forked from torch_xla's
+        # loader thread while XLA ran a fresh program hung in at::set_num_threads, waiting for
+        # glibc's atexit lock (a CI run; here once in 518 runs with empty compile caches). Waiting
+        # costs at most the step still running when a phase starts.
+        xm.wait_device_ops()
+        batches = iter(self._loader)
+        first = next(batches, _END)
+        host = _Flattened(self._loader, itertools.chain([first], batches) if first is not _END else iter(()))
         parallel = pl.ParallelLoader(
             host, [self._device], batches_per_execution=_NO_LOADER_SYNC, input_sharding=self._sharding
         )
@@ -454,8 +467,8 @@ class _Flattened:
     would print it and end the epoch early as if the data had run out.
     """
 
-    def __init__(self, loader: Iterable[Any]) -> None:
-        self._loader = loader
+    def __init__(self, loader: Iterable[Any], batches: Iterator[Any]) -> None:
+        self._loader, self._batches = loader, batches
         self.specs: collections.deque[Any] = collections.deque()
         self.error: BaseException | None = None
 
@@ -464,7 +477,7 @@ class _Flattened:
 
     def __iter__(self) -> Iterator[list[Any]]:
         try:
-            for batch in self._loader:
+            for batch in self._batches:
                 leaves, spec = tree_flatten(batch)
                 self.specs.append(spec)
                 yield leaves
