@@ -441,7 +441,7 @@ class _DeviceLoader:
         # decoders) when it makes its first batch, and a process forked while another thread
         # holds a lock gets that lock held forever: a DataLoader worker forked from torch_xla's
         # loader thread while XLA ran a fresh program hung in at::set_num_threads, waiting for
-        # glibc's atexit lock (a CI run; here once in 518 runs with empty compile caches). Waiting
+        # glibc's atexit lock (a CI run; here once in 521 runs with empty compile caches). Waiting
         # costs at most the step still running when a phase starts.
         xm.wait_device_ops()
         batches = iter(self._loader)
