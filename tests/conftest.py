@@ -147,6 +147,13 @@ def run_bounded(args: list[str], env: dict[str, str], timeout: float, cwd: Path 
     test with what it printed and where it was: every process of its tree gets SIGABRT, on which a
     Python process with faulthandler on (``script_env`` sets PYTHONFAULTHANDLER) prints the stack
     of each of its threads to stderr; whatever still runs 30 s later is killed."""
+    def signal_all(pids: list[int], sig: int) -> None:
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
     proc = subprocess.Popen(args, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             stdin=subprocess.DEVNULL)
     try:
@@ -154,11 +161,7 @@ def run_bounded(args: list[str], env: dict[str, str], timeout: float, cwd: Path 
     except subprocess.TimeoutExpired:
         tree = [proc.pid, *_descendants(proc.pid)]
         for sig in (signal.SIGABRT, signal.SIGKILL):
-            for pid in tree:
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
+            signal_all(tree, sig)
             try:
                 out, err = proc.communicate(timeout=30)
                 break
@@ -167,6 +170,10 @@ def run_bounded(args: list[str], env: dict[str, str], timeout: float, cwd: Path 
         raise AssertionError(f"{' '.join(map(str, args))} did not finish in {timeout} s; its processes ({len(tree)}) were "
                              f"sent SIGABRT, and each Python one printed its threads' stacks to stderr:\n"
                              f"--- stdout (a pipe, so what was flushed) ---\n{out[-3000:]}\n--- stderr ---\n{err[-12000:]}") from None
+    except BaseException:  # the test stopped (pytest-timeout, Ctrl-C): so do its processes
+        signal_all([proc.pid, *_descendants(proc.pid)], signal.SIGKILL)
+        proc.wait()
+        raise
     return subprocess.CompletedProcess(args, proc.returncode, out, err)
 
 

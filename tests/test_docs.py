@@ -18,9 +18,10 @@ must end with that status (a refusal the page shows); a Python block marked
 ``accelerator=tpu`` / ``cuda`` / ``PJRT_DEVICE=TPU``, TorchTPU's launcher, ``gcloud`` and ``pip``
 are checked by name (the subcommand and flags parse, each ``--set`` key exists in the config,
 modules and Make targets exist); everything else runs. Commands run in the tests' script
-environment (conftest.script_env), with one difference a reader would not have: XLA:CPU generates
+environment (conftest.script_env), with two differences a reader would not have: XLA:CPU generates
 code at LLVM optimization level 0 (``XLA_FLAGS``), which changes how long XLA commands compile
-and how fast their code runs, not what the pages describe.
+and how fast their code runs, not what the pages describe; and faulthandler is on
+(``PYTHONFAULTHANDLER``), so a command that hangs prints its threads' stacks when it is stopped.
 """
 
 from __future__ import annotations
