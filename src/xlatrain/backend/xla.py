@@ -382,7 +382,6 @@ def _start_compile_cache(spmd: bool) -> str | None:
 # torch_xla's loader cuts the graph (torch_xla.sync) every this many batches. The caller's
 # step_end already cuts it once per step, so the loader never should.
 _NO_LOADER_SYNC = 2**62
-_END = object()  # a loader with no batch
 
 
 class BatchSharding:
@@ -445,8 +444,8 @@ class _DeviceLoader:
         # costs at most the step still running when a phase starts.
         xm.wait_device_ops()
         batches = iter(self._loader)
-        first = next(batches, _END)
-        host = _Flattened(self._loader, itertools.chain([first], batches) if first is not _END else iter(()))
+        first = list(itertools.islice(batches, 1))  # empty where the loader has no batch
+        host = _Flattened(self._loader, itertools.chain(first, batches))
         parallel = pl.ParallelLoader(
             host, [self._device], batches_per_execution=_NO_LOADER_SYNC, input_sharding=self._sharding
         )
