@@ -142,6 +142,14 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
+def alive(pid: int | str) -> bool:
+    """Whether process ``pid`` still runs (an exited one waiting to be reaped, a zombie, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except FileNotFoundError:
+        return False
+
+
 def run_bounded(args: list[str], env: dict[str, str], timeout: float, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """Run ``args`` with its output captured. One still running after ``timeout`` seconds fails the
     test with what it printed and where it was: every process of its tree gets SIGABRT, on which a

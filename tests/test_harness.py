@@ -8,11 +8,10 @@ import signal
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
-from conftest import run_command
+from conftest import alive, run_command
 
 HANGS = """
 import pathlib, subprocess, sys, threading, time
@@ -26,18 +25,11 @@ time.sleep(600)
 """
 
 
-def _running(pid: str) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
-    except FileNotFoundError:
-        return False
-
-
 def _gone(pid: str) -> bool:
     deadline = time.monotonic() + 10
-    while _running(pid) and time.monotonic() < deadline:
+    while alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    return not _running(pid)
+    return not alive(pid)
 
 
 def test_a_script_that_outlives_its_time_fails_with_every_process_and_thread_stack(tmp_path):

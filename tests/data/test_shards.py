@@ -12,7 +12,7 @@ import simplejpeg
 import torch
 from torch import nn
 
-from conftest import image_folder
+from conftest import alive, image_folder
 
 from xlatrain import TrainConfig, Trainer
 from xlatrain.data.pack import pack
@@ -410,15 +410,6 @@ def test_an_abandoned_pass_leaves_the_workers_ready_for_the_next(shards):
         assert torch.equal(first[0], _all(plain, b=4)[0][0])
 
 
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
-
-
 def _shm_entries():
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
@@ -428,16 +419,16 @@ def test_workers_stop_on_close_or_collection_and_leave_no_shared_memory(shards):
     ds = ShardDataset(shards, image_size=8, num_workers=2)
     batches = _all(ds)
     pids = [p.pid for p in ds._workers._procs]
-    assert len(pids) == 2 and all(_alive(p) for p in pids)
+    assert len(pids) == 2 and all(alive(p) for p in pids)
     ds.close()
-    assert not any(_alive(p) for p in pids)
+    assert not any(alive(p) for p in pids)
     assert torch.equal(batches[0][0], _all(ShardDataset(shards, image_size=8))[0][0])  # still valid after close
     again = ShardDataset(shards, image_size=8, num_workers=2)
     _all(again)
     pids = [p.pid for p in again._workers._procs]
     del again
     gc.collect()
-    assert not any(_alive(p) for p in pids)
+    assert not any(alive(p) for p in pids)
     del batches
     assert _shm_entries() <= before  # shared memory is unlinked as soon as it is mapped
 
