@@ -12,8 +12,8 @@ from freeze_lock import PIN, lock_lines  # noqa: E402
 LOCKS = sorted(REPO.glob("requirements*.lock"))
 
 
-def test_both_environments_have_a_lock():
-    assert [p.name for p in LOCKS] == ["requirements-xla.lock", "requirements.lock"]
+def test_both_environments_and_their_installers_have_a_lock():
+    assert [p.name for p in LOCKS] == ["requirements-tools.lock", "requirements-xla.lock", "requirements.lock"]
 
 
 @pytest.mark.parametrize("lock", LOCKS, ids=lambda p: p.name)
