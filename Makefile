@@ -21,7 +21,7 @@ venv-xla: $(VENV_XLA)/.installed
 
 # $(1) env dir, $(2) lock file. pip and uv come from requirements-tools.lock; uv installs the
 # lock (the same packages pip would, unpacked in parallel and compiled to bytecode on every core:
-# both environments built side by side took 99 s with pip, 77 s with uv, measured from empty caches).
+# both environments built side by side took 99 s with pip, 79 s with uv, measured from empty caches).
 define build_env
 	@test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
 	$(1)/bin/python -m pip install $(PIP_OPTS) -r requirements-tools.lock
