@@ -18,7 +18,9 @@ import pathlib, subprocess, sys, threading, time
 def waiting_in_a_thread():
     time.sleep(600)
 threading.Thread(target=waiting_in_a_thread).start()
-child = subprocess.Popen([sys.executable, "-c", "import time\\ndef waiting_in_a_child():\\n    time.sleep(600)\\nwaiting_in_a_child()"])
+child = subprocess.Popen([sys.executable, "-c", "import time\\ndef waiting_in_a_child():\\n    print(flush=True)\\n"
+                          "    time.sleep(600)\\nwaiting_in_a_child()"], stdout=subprocess.PIPE)
+child.stdout.readline()  # the child is in waiting_in_a_child (a loaded machine takes seconds to start it)
 print("started", child.pid, flush=True)
 pathlib.Path(sys.argv[1]).write_text(f"{child.pid}")
 time.sleep(600)
@@ -34,9 +36,9 @@ def _gone(pid: str) -> bool:
 
 def test_a_script_that_outlives_its_time_fails_with_every_process_and_thread_stack(tmp_path):
     with pytest.raises(AssertionError) as failed:
-        run_command([sys.executable, "-c", HANGS, str(tmp_path / "child")], timeout=3)
+        run_command([sys.executable, "-c", HANGS, str(tmp_path / "child")], timeout=10)
     said = str(failed.value)
-    assert "did not finish in 3 s" in said and "processes (2)" in said
+    assert "did not finish in 10 s" in said and "processes (2)" in said
     assert "started" in said  # what it printed before
     # faulthandler's stacks: the main thread, its other thread, and the process it started
     assert "in waiting_in_a_thread" in said and "in waiting_in_a_child" in said and "in <module>" in said
