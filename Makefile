@@ -4,6 +4,7 @@
 # They cannot be one: torch_xla runs only on torch 2.9.0, torch_tpu needs torch >= 2.11.
 PYTHON   ?= python3
 PIP_OPTS := --quiet --disable-pip-version-check
+PIP_PIN  := $(shell grep '^pip==' requirements-tools.lock)
 VENV     := .venv
 VENV_XLA := .venv-xla
 BIN      := $(VENV)/bin
@@ -90,13 +91,14 @@ bench: $(VENV)/.installed $(VENV)/.site-hook $(VENV_XLA)/.installed
 	XLATRAIN_XLA_PYTHON=$(CURDIR)/$(XBIN)/python $(BIN)/python -m benchmarks.run --out benchmarks/results.json
 
 # Re-resolve both pinned environments (needs the registry); commit the results.
+# Only pip goes into the resolving environment: uv there would be frozen into the locks.
 lock:
 	rm -rf /tmp/xlatrain-lock && $(PYTHON) -m venv /tmp/xlatrain-lock
-	/tmp/xlatrain-lock/bin/pip install $(PIP_OPTS) -r requirements-tools.lock
+	/tmp/xlatrain-lock/bin/pip install $(PIP_OPTS) $(PIP_PIN)
 	/tmp/xlatrain-lock/bin/pip install $(PIP_OPTS) $(CURRENT_TOPS)
 	$(PYTHON) tools/freeze_lock.py /tmp/xlatrain-lock/bin/python requirements.lock
 	rm -rf /tmp/xlatrain-lock && $(PYTHON) -m venv /tmp/xlatrain-lock
-	/tmp/xlatrain-lock/bin/pip install $(PIP_OPTS) -r requirements-tools.lock
+	/tmp/xlatrain-lock/bin/pip install $(PIP_OPTS) $(PIP_PIN)
 	/tmp/xlatrain-lock/bin/pip install $(PIP_OPTS) $(XLA_TOPS)
 	$(PYTHON) tools/freeze_lock.py /tmp/xlatrain-lock/bin/python requirements-xla.lock
 	rm -rf /tmp/xlatrain-lock
