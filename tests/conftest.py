@@ -17,6 +17,8 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -150,36 +152,55 @@ def alive(pid: int | str) -> bool:
         return False
 
 
+def _signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _dump_one_at_a_time(tree: list[int], each_s: float = 10) -> None:
+    """SIGABRT to every process of ``tree`` (a parent before its children), one at a time, children
+    first: each prints its threads' stacks (faulthandler) and dies before the next is let go, since
+    processes that dump at once interleave their stacks in the one pipe a character at a time
+    (faulthandler writes them so). The whole tree is stopped first (SIGSTOP), so that none reacts
+    to another's death (a launcher ending its other workers) before its own stacks are out."""
+    _signal_all(tree, signal.SIGSTOP)
+    for pid in reversed(tree):
+        _signal_all([pid], signal.SIGABRT)
+        _signal_all([pid], signal.SIGCONT)
+        deadline = time.monotonic() + each_s
+        while alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
 def run_bounded(args: list[str], env: dict[str, str], timeout: float, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """Run ``args`` with its output captured. One still running after ``timeout`` seconds fails the
     test with what it printed and where it was: every process of its tree gets SIGABRT, on which a
     Python process with faulthandler on (``script_env`` sets PYTHONFAULTHANDLER) prints the stack
-    of each of its threads to stderr; whatever still runs 30 s later is killed."""
-    def signal_all(pids: list[int], sig: int) -> None:
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-
+    of each of its threads to stderr (one process at a time, see ``_dump_one_at_a_time``);
+    whatever still runs 30 s after its turn is killed."""
     proc = subprocess.Popen(args, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             stdin=subprocess.DEVNULL)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         tree = [proc.pid, *_descendants(proc.pid)]
-        for sig in (signal.SIGABRT, signal.SIGKILL):
-            signal_all(tree, sig)
+        # This thread meanwhile reads what they print: a full pipe would hold a dump up.
+        threading.Thread(target=_dump_one_at_a_time, args=(tree,), daemon=True).start()
+        for wait_s in (10 * len(tree) + 30, 30):
             try:
-                out, err = proc.communicate(timeout=30)
+                out, err = proc.communicate(timeout=wait_s)
                 break
             except subprocess.TimeoutExpired as exc:  # what was read so far, as bytes
                 out, err = (b.decode(errors="replace") if b else "" for b in (exc.stdout, exc.stderr))
+                _signal_all(tree, signal.SIGKILL)
         raise AssertionError(f"{' '.join(map(str, args))} did not finish in {timeout} s; its processes ({len(tree)}) were "
                              f"sent SIGABRT, and each Python one printed its threads' stacks to stderr:\n"
                              f"--- stdout (a pipe, so what was flushed) ---\n{out[-3000:]}\n--- stderr ---\n{err[-12000:]}") from None
     except BaseException:  # the test stopped (pytest-timeout, Ctrl-C): so do its processes
-        signal_all([proc.pid, *_descendants(proc.pid)], signal.SIGKILL)
+        _signal_all([proc.pid, *_descendants(proc.pid)], signal.SIGKILL)
         proc.wait()
         raise
     return subprocess.CompletedProcess(args, proc.returncode, out, err)

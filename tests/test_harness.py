@@ -4,6 +4,7 @@ was, and a test that stops leaves none of its script's processes running."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import threading
@@ -13,18 +14,33 @@ import pytest
 
 from conftest import alive, run_command
 
-HANGS = """
+CHILD = """
+import threading, time
+def waiting_in_a_child(depth):
+    if depth:
+        return waiting_in_a_child(depth - 1)
+    time.sleep(600)
+for _ in range(3):
+    threading.Thread(target=waiting_in_a_child, args=(6,), daemon=True).start()
+print(flush=True)
+waiting_in_a_child(6)
+"""
+HANGS = f"""
 import pathlib, subprocess, sys, threading, time
 def waiting_in_a_thread():
     time.sleep(600)
 threading.Thread(target=waiting_in_a_thread).start()
-child = subprocess.Popen([sys.executable, "-c", "import time\\ndef waiting_in_a_child():\\n    print(flush=True)\\n"
-                          "    time.sleep(600)\\nwaiting_in_a_child()"], stdout=subprocess.PIPE)
-child.stdout.readline()  # the child is in waiting_in_a_child (a loaded machine takes seconds to start it)
-print("started", child.pid, flush=True)
-pathlib.Path(sys.argv[1]).write_text(f"{child.pid}")
+children = [subprocess.Popen([sys.executable, "-c", {CHILD!r}], stdout=subprocess.PIPE) for _ in range(3)]
+for child in children:
+    child.stdout.readline()  # it is running (a loaded machine takes seconds to start one)
+print("started", flush=True)
+pathlib.Path(sys.argv[1]).write_text(" ".join(str(child.pid) for child in children))
 time.sleep(600)
 """
+# What faulthandler prints, line by line; two processes dumping into one pipe at once would
+# interleave their lines a character at a time (it writes them so), and break this.
+DUMP_LINE = re.compile(r"Fatal Python error: Aborted|(Thread|Current thread) 0x[0-9a-f]+ \(most recent call first\):"
+                       r'|  File ".+", line \d+ in [\w<>]+|')
 
 
 def _gone(pid: str) -> bool:
@@ -35,14 +51,20 @@ def _gone(pid: str) -> bool:
 
 
 def test_a_script_that_outlives_its_time_fails_with_every_process_and_thread_stack(tmp_path):
+    """Four processes, thirteen threads: each process's stacks come out whole, one after another."""
     with pytest.raises(AssertionError) as failed:
-        run_command([sys.executable, "-c", HANGS, str(tmp_path / "child")], timeout=10)
+        run_command([sys.executable, "-c", HANGS, str(tmp_path / "children")], timeout=10)
     said = str(failed.value)
-    assert "did not finish in 10 s" in said and "processes (2)" in said
+    assert "did not finish in 10 s" in said and "processes (4)" in said
     assert "started" in said  # what it printed before
-    # faulthandler's stacks: the main thread, its other thread, and the process it started
-    assert "in waiting_in_a_thread" in said and "in waiting_in_a_child" in said and "in <module>" in said
-    assert _gone((tmp_path / "child").read_text()), "the script's child still runs"
+    dump = said.split("--- stderr ---\n", 1)[1]
+    assert [line for line in dump.splitlines() if not DUMP_LINE.fullmatch(line)] == [], dump
+    assert dump.count("Fatal Python error: Aborted") == 4, dump
+    # faulthandler's stacks: the script's main thread and its other thread, and the four threads
+    # of each process it started (7 frames of waiting_in_a_child each)
+    assert dump.count(" in waiting_in_a_thread") == 1 and dump.count(" in <module>") == 1 + 3, dump
+    assert dump.count(" in waiting_in_a_child") == 3 * 4 * 7, dump
+    assert all(_gone(pid) for pid in (tmp_path / "children").read_text().split()), "a child of the script still runs"
 
 
 class Stopped(Exception):
