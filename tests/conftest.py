@@ -161,8 +161,8 @@ def _signal_all(pids: list[int], sig: int) -> None:
 
 
 def _dump_one_at_a_time(tree: list[int], each_s: float = 10) -> None:
-    """SIGABRT to every process of ``tree`` (a parent before its children), one at a time, children
-    first: each prints its threads' stacks (faulthandler) and dies before the next is let go, since
+    """SIGABRT to every process of ``tree`` (listed parents before their children), one at a time,
+    children first: each prints its threads' stacks (faulthandler) and dies before the next is let go, since
     processes that dump at once interleave their stacks in the one pipe a character at a time
     (faulthandler writes them so). The whole tree is stopped first (SIGSTOP), so that none reacts
     to another's death (a launcher ending its other workers) before its own stacks are out."""
@@ -179,8 +179,8 @@ def run_bounded(args: list[str], env: dict[str, str], timeout: float, cwd: Path 
     """Run ``args`` with its output captured. One still running after ``timeout`` seconds fails the
     test with what it printed and where it was: every process of its tree gets SIGABRT, on which a
     Python process with faulthandler on (``script_env`` sets PYTHONFAULTHANDLER) prints the stack
-    of each of its threads to stderr (one process at a time, see ``_dump_one_at_a_time``);
-    whatever still runs 30 s after its turn is killed."""
+    of each of its threads to stderr (one process at a time, at most 10 s each, see
+    ``_dump_one_at_a_time``); whatever still runs 30 s after the last one's turn is killed."""
     proc = subprocess.Popen(args, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             stdin=subprocess.DEVNULL)
     try:
