@@ -186,3 +186,21 @@ def test_a_read_landing_after_the_bar_closed_is_measured_but_not_drawn() -> None
     assert drawn.startswith(b"\repoch 1 step 0/20 ") and drawn.endswith(b"\r|closed|")  # drawn, then wiped
     assert after == b"|end|"
     assert stats.epoch_loss == 0.5 and lines == []
+
+
+def test_the_last_step_is_drawn_however_soon_it_follows_the_last_redraw() -> None:
+    """The bar stays up through the epoch's end (evaluation, a checkpoint): it must show the last
+    step there, though steps that come faster than the bar redraws are otherwise skipped."""
+    main_fd, child_fd = pty.openpty()
+    fcntl.ioctl(child_fd, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    with os.fdopen(child_fd, "w") as tty:
+        progress = EpochProgress(1, 3, 0, interactive=True, log=print, stream=tty)
+        for step in (1, 2, 3):
+            progress.advance(step)
+        tty.write("|drawn|")
+        tty.flush()
+        drawn = _read_until(main_fd, b"|drawn|")
+        progress.close()
+    os.close(main_fd)
+    frames = [f for f in re.split(rb"\r", drawn) if f.startswith(b"epoch 1 step ")]
+    assert frames[0].startswith(b"epoch 1 step 0/3 ") and frames[-1].startswith(b"epoch 1 step 3/3 "), frames

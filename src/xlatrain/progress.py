@@ -167,9 +167,13 @@ class EpochProgress:
         return self._interactive
 
     def advance(self, step: int) -> None:
-        """Move the bar to ``step`` (host bookkeeping only; nothing is read from the device)."""
+        """Move the bar to ``step`` (host bookkeeping only; nothing is read from the device). The
+        last step is always drawn: the bar stays up through the epoch's end (evaluation, a
+        checkpoint), and must not sit at a step before it."""
         if self._bar is not None and step > self._bar.n:
             self._bar.update(step - self._bar.n)
+            if step >= self.num_steps:
+                self._bar.refresh()  # update() draws at most every 0.1 s and may skip it
 
     def show(self, step: int, *, epoch_loss: float, samples_per_s: float | None, nonfinite: int) -> None:
         """Show one measured interval: a line, or the bar's figures (no rate for a warm-up interval)."""
