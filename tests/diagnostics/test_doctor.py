@@ -3,6 +3,7 @@ import importlib.util
 import io
 import json
 import os
+import platform
 import stat
 import subprocess
 import sys
@@ -625,3 +626,24 @@ def test_real_probe_measures_what_xla_use_bf16_does(tmp_path):
     found = finding(report, "env:XLA_USE_BF16")
     assert "gave 1.0 " in found.evidence, found.evidence  # bf16 loses the 0.001; float32 keeps it
     assert sys.executable in rows(report)["Python"].value
+
+
+@pytest.mark.parametrize("python, warned", [("3.11.7", True), ("3.11.9", True), ("3.10.14", True),
+                                            ("3.11.10", False), ("3.10.15", False), ("3.12.0", False),
+                                            ("3.13.1", False)])
+def test_a_python_whose_fork_can_hang_a_loader_worker_is_named_with_the_release_that_fixed_it(
+        base_env, no_pci, python, warned):
+    report = collect(base_env, probe=False, pci_root=no_pci, versions=dict(MATCHED, python=python))
+    assert codes(report) == (["python:fork-hang"] if warned else [])
+    assert rows(report)["Python"].status == ("warning" if warned else "ok")
+    if warned:
+        found = finding(report, "python:fork-hang")
+        fixed = "3.11.10" if python.startswith("3.11") else "3.10.15"
+        assert f"Python {python} is older than {fixed}" in found.evidence and "gh-112275" in found.evidence
+        assert f"use Python {fixed} or newer" in found.fix and report.exit_code() == 0  # a warning
+
+
+def test_the_doctor_judges_the_python_it_runs_in():
+    from xlatrain.doctor.environment import _installed_versions
+
+    assert _installed_versions()["python"] == platform.python_version()

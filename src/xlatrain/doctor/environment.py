@@ -537,7 +537,36 @@ def _installed_versions() -> dict[str, str | None]:
         except metadata.PackageNotFoundError:
             versions[name] = None
     versions[BUNDLED_LIBTPU] = _bundled_libtpu()
+    versions["python"] = platform.python_version()
     return versions
+
+
+# The first release of each CPython series with the fix for gh-112275: before it, a process forked
+# while another thread of its parent creates or deletes a Python thread state (a gloo or NCCL
+# thread running a callback, a loader's thread ending) can block forever inside os.fork() in the
+# child. 3.12 and later have the fix from their first release.
+FORK_FIX = {(3, 8): 20, (3, 9): 20, (3, 10): 15, (3, 11): 10}
+
+
+def _python_findings(version: str | None) -> list[Finding]:
+    release = _release(version)
+    if release is None or len(release) < 3 or release[:2] not in FORK_FIX or release[2] >= FORK_FIX[release[:2]]:
+        return []
+    fixed = f"{release[0]}.{release[1]}.{FORK_FIX[release[:2]]}"
+    return [
+        Finding(
+            "python:fork-hang",
+            "warning",
+            "this Python can hang a forked data-loader worker as it starts",
+            f"Python {version} is older than {fixed}, the first {release[0]}.{release[1]} release with the fix "
+            "for CPython gh-112275: a process forked while another thread of its parent enters or leaves Python "
+            "(a gloo or NCCL thread, a loader's thread) can wait forever inside os.fork(). With "
+            "num_workers > 0 that is a loader worker that never starts, and the run stops making progress "
+            "without an error",
+            f"use Python {fixed} or newer (or 3.12+); until then a run that stalls at the start of an "
+            "epoch or an evaluation with workers is this, and num_workers=0 avoids the fork",
+        )
+    ]
 
 
 def _bundled_libtpu() -> str | None:
@@ -726,8 +755,9 @@ def collect(
         pci_root: where PCI devices are listed (tests point it at a fake tree).
         vfio_root: where VFIO group nodes are (``/dev/vfio``).
         versions: installed distribution versions by name (default: read from the installed
-            packages; ``None`` or absent for a package that is not installed), and under
-            ``BUNDLED_LIBTPU`` the path of a libtpu.so inside torch_xla, if any.
+            packages; ``None`` or absent for a package that is not installed), under
+            ``BUNDLED_LIBTPU`` the path of a libtpu.so inside torch_xla, if any, and under
+            ``"python"`` this Python's version (absent: not judged).
     """
     env: Mapping[str, str] = dict(os.environ) if environ is None else environ
     ver = dict(_installed_versions() if versions is None else versions)
@@ -789,6 +819,8 @@ def collect(
             )
         )
     findings += _flag_findings(env, xla_installed=facts.torch_xla is not None)
+    python_findings = _python_findings(ver.get("python"))
+    findings += python_findings
     findings += torch_tpu_findings(env, installed=facts.torch_tpu is not None)
 
     # ------------------------------------------------------------------ probe
@@ -829,7 +861,8 @@ def collect(
             )
 
     # ------------------------------------------------------------------ rows
-    rows: list[Row] = [Row("Python", f"{sys.version.split()[0]} ({sys.executable})")]
+    rows: list[Row] = [Row("Python", f"{sys.version.split()[0]} ({sys.executable})",
+                           "warning" if python_findings else "ok")]
     rows += torch_row
     rows.append(Row("torch_tpu", tpu_value, tpu_status))
     if facts.torch_tpu is not None:
