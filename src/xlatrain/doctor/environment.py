@@ -542,9 +542,11 @@ def _installed_versions() -> dict[str, str | None]:
 
 
 # The first release of each CPython series with the fix for gh-112275: before it, a process forked
-# while another thread of its parent creates or deletes a Python thread state (a gloo or NCCL
-# thread running a callback, a loader's thread ending) can block forever inside os.fork() in the
-# child. 3.12 and later have the fix from their first release.
+# while a C++ thread of its parent is entering Python (creating its thread state, as torch.distributed's
+# gloo threads do around collectives) can block forever inside os.fork() in the child. 3.12 and later
+# have the fix from their first release. Measured on 3.11.7: two gloo processes that fork 2 loader
+# workers after each round of all_reduce hung within 3 to 161 rounds; without the collectives, 500
+# rounds ran clean.
 FORK_FIX = {(3, 8): 20, (3, 9): 20, (3, 10): 15, (3, 11): 10}
 
 
@@ -559,12 +561,12 @@ def _python_findings(version: str | None) -> list[Finding]:
             "warning",
             "this Python can hang a forked data-loader worker as it starts",
             f"Python {version} is older than {fixed}, the first {release[0]}.{release[1]} release with the fix "
-            "for CPython gh-112275: a process forked while another thread of its parent enters or leaves Python "
-            "(a gloo or NCCL thread, a loader's thread) can wait forever inside os.fork(). With "
-            "num_workers > 0 that is a loader worker that never starts, and the run stops making progress "
-            "without an error",
-            f"use Python {fixed} or newer (or 3.12+); until then a run that stalls at the start of an "
-            "epoch or an evaluation with workers is this, and num_workers=0 avoids the fork",
+            "for CPython gh-112275: a process forked while a C++ thread of its parent is entering Python "
+            "(torch.distributed's gloo threads do, around collectives) can wait forever inside os.fork(). "
+            "Under DDP or FSDP with num_workers > 0 that is a loader worker that never starts, and the run "
+            "stops making progress without an error",
+            f"use Python {fixed} or newer (or 3.12+); until then, a multi-process run that stalls as an "
+            "epoch or an evaluation starts its loader workers may be this, and num_workers=0 avoids the fork",
         )
     ]
 
