@@ -52,6 +52,7 @@ from xlatrain.backend.hardware import (
     vfio_group,
 )
 from xlatrain.backend.runtimes import INSTALL_TORCH_TPU, INSTALL_TORCH_XLA
+from xlatrain.data.workers import fork_fix_release
 
 SEVERITIES = ("error", "warning", "info")
 # PJRT clients built into torch_xla 2.9's runtime library ("Initializing PjRt CPU client",
@@ -541,26 +542,17 @@ def _installed_versions() -> dict[str, str | None]:
     return versions
 
 
-# The first release of each CPython series with the fix for gh-112275: before it, a process forked
-# while a C++ thread of its parent is entering Python (creating its thread state, as torch.distributed's
-# gloo threads do around collectives) can block forever inside os.fork() in the child. 3.12 and later
-# have the fix from their first release. Measured on 3.11.7: two gloo processes that fork 2 loader
-# workers after each round of all_reduce hung within 3 to 161 rounds; without the collectives, 500
-# rounds ran clean.
-FORK_FIX = {(3, 8): 20, (3, 9): 20, (3, 10): 15, (3, 11): 10}
-
-
 def _python_findings(version: str | None) -> list[Finding]:
-    release = _release(version)
-    if release is None or len(release) < 3 or release[:2] not in FORK_FIX or release[2] >= FORK_FIX[release[:2]]:
+    fixed = fork_fix_release(version) if version else None
+    if fixed is None:
         return []
-    fixed = f"{release[0]}.{release[1]}.{FORK_FIX[release[:2]]}"
+    series = fixed.rsplit(".", 1)[0]
     return [
         Finding(
             "python:fork-hang",
             "warning",
             "this Python can hang a forked data-loader worker as it starts",
-            f"Python {version} is older than {fixed}, the first {release[0]}.{release[1]} release with the fix "
+            f"Python {version} is older than {fixed}, the first {series} release with the fix "
             "for CPython gh-112275: a process forked while a C++ thread of its parent is entering Python "
             "(torch.distributed's gloo threads do, around collectives) can wait forever inside os.fork(). "
             "Under DDP or FSDP with num_workers > 0 that is a loader worker that never starts, and the run "

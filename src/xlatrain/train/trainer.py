@@ -31,6 +31,7 @@ from xlatrain.backend.precision import Precision
 from xlatrain.checkpoint import latest_name, write_weights
 from xlatrain.config import BackendConfig, CheckpointConfig, TrainConfig, monitor_mode_for
 from xlatrain.data.source import BatchSource
+from xlatrain.data.workers import fork_hang_note
 from xlatrain.diagnostics.compile import CompileWatch
 from xlatrain.diagnostics.profile import StepTrace
 from xlatrain.diagnostics.run import RunDiagnostics
@@ -499,6 +500,8 @@ class Trainer:
         feeding = [f"{feed.num_workers} decode worker(s) ({feed.workers_reason})"] if feed.num_workers is not None else []
         self._say(" | ".join(["input: " + (feeding[0] if feeding else "batches from " + type(train_data).__name__),
                               *([self._channels_last_note] if self._channels_last_note else [])]))
+        if fork_note := fork_hang_note(feed.num_workers):
+            self._say(f"note: {fork_note}")
         if self._optimizer_note:
             self._say(self._optimizer_note)
         if self.ema is not None:
