@@ -10,7 +10,7 @@ from xlatrain.data.workers import fork_fix_release, fork_hang_note
 
 
 @pytest.mark.parametrize("version, fixed", [("3.11.7", "3.11.10"), ("3.11.9", "3.11.10"), ("3.10.14", "3.10.15"),
-                                            ("3.11.0rc1", "3.11.10"), ("3.11.10", None), ("3.10.15", None),
+                                            ("3.11.0rc1", "3.11.10"), ("3.11.9rc1", "3.11.10"), ("3.11.10", None), ("3.10.15", None),
                                             ("3.12.0", None), ("3.13.1", None), ("garbage", None)])
 def test_the_release_that_fixed_the_fork_hang_is_named_for_a_python_before_it(version, fixed):
     assert fork_fix_release(version) == fixed

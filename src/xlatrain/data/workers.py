@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import platform
+import re
 
 from xlatrain.backend.hardware import cpu_share
 
@@ -19,11 +20,10 @@ FORK_FIX = {(3, 8): 20, (3, 9): 20, (3, 10): 15, (3, 11): 10}
 
 def fork_fix_release(version: str) -> str | None:
     """The release that fixed the fork hang for ``version``'s series, where ``version`` predates it."""
-    parts = version.split(".")
-    try:
-        major, minor, micro = int(parts[0]), int(parts[1]), int("".join(c for c in parts[2] if c.isdigit()) or 0)
-    except (IndexError, ValueError):
+    match = re.match(r"(\d+)\.(\d+)\.(\d+)", version)  # "3.11.9rc1": 3, 11, 9
+    if match is None:
         return None
+    major, minor, micro = (int(g) for g in match.groups())
     fixed = FORK_FIX.get((major, minor))
     return f"{major}.{minor}.{fixed}" if fixed is not None and micro < fixed else None
 
