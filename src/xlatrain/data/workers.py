@@ -1,4 +1,5 @@
-"""How many processes fetch and decode batches beside a training process, when asked for ``"auto"``."""
+"""How many processes fetch and decode batches beside a training process, when asked for ``"auto"``,
+and the Python releases whose fork can hang one of them as it starts."""
 
 from __future__ import annotations
 
