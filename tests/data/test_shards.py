@@ -5,6 +5,8 @@ import logging
 import mmap
 import os
 import signal
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -462,13 +464,53 @@ def test_a_shard_written_to_after_its_records_were_checked_is_checked_again(tmp_
             _all(ds, b=4)
 
 
-def test_pin_memory_pins_batches_for_cuda_and_is_a_no_op_without(shards, recwarn):
-    plain = _all(ShardDataset(shards, image_size=8))
-    with ShardDataset(shards, image_size=8, num_workers=1, pin_memory=True) as ds:
-        pinned = _all(ds)
-    assert _same(plain, pinned)
-    assert all(x.is_pinned() == torch.cuda.is_available() for x, _ in pinned)
+@pytest.mark.parametrize("num_workers", [0, 1, 2])
+def test_pin_memory_gives_the_same_batches_pinned_for_cuda_and_as_they_are_without(shards, recwarn, num_workers):
+    plain = _all(ShardDataset(shards, image_size=8)), _all(ShardDataset(shards, image_size=8), training=False)
+    with ShardDataset(shards, image_size=8, num_workers=num_workers, pin_memory=True) as ds:
+        pinned = _all(ds), _all(ds, training=False)
+    assert _same(plain[0], pinned[0]) and _same(plain[1], pinned[1])
+    assert all(x.is_pinned() == y.is_pinned() == torch.cuda.is_available() for x, y in pinned[0])
     assert not [w for w in recwarn if "pin" in str(w.message)]
+
+
+def _pin_threads():
+    return [t for t in threading.enumerate() if t.name == "xlatrain-pin"]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_with_pin_memory_a_thread_readies_batches_ahead_of_the_consumer(shards, num_workers):
+    with ShardDataset(shards, image_size=8, num_workers=num_workers, pin_memory=True) as ds:
+        batches = ds.train_batches(loader_batch=4, num_processes=1, process_index=0, seed=3, epoch=1)
+        next(batches)
+        waiting = ds._pinning._queue
+        deadline = time.monotonic() + 10
+        while waiting.qsize() < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert waiting.qsize() == 2  # the next two are ready before they are asked for
+        rest = list(batches)
+        assert len(rest) == NUM // 4 - 1 and not _pin_threads()  # the pass's end ends its thread
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_a_bad_record_read_by_the_pinning_thread_is_raised_in_the_consumer_as_itself(tmp_path, num_workers):
+    root = _make(tmp_path)
+    shard, _ = _corrupt_record(root, record=3)
+    with ShardDataset(root, image_size=8, shuffle=False, num_workers=num_workers, pin_memory=True) as ds:
+        with pytest.raises(ShardError, match=f"record 3 of shard {shard}"):
+            _all(ds, b=4)
+    assert not _pin_threads()
+
+
+def test_an_abandoned_pinned_pass_lets_go_of_the_workers_for_the_next_one(shards):
+    with ShardDataset(shards, image_size=8, num_workers=2, pin_memory=True) as ds:
+        old = ds.train_batches(loader_batch=4, num_processes=1, process_index=0, seed=3, epoch=1)
+        next(old)  # abandoned with its thread running ahead, not closed
+        assert _same(_all(ds, b=4, epoch=2), _all(ShardDataset(shards, image_size=8), b=4, epoch=2))
+        assert _same(_all(ds, b=4, training=False), _all(ShardDataset(shards, image_size=8), b=4, training=False))
+        with pytest.raises(RuntimeError, match="started another pass"):
+            next(old)
+        assert not _pin_threads()  # the new pass stopped the old one's thread; each pass's own ended with it
 
 
 @pytest.mark.gpu
@@ -476,7 +518,7 @@ def test_pin_memory_pins_batches_for_cuda_and_is_a_no_op_without(shards, recwarn
 def test_pinned_batches_copy_to_cuda_asynchronously(shards):
     with ShardDataset(shards, image_size=8, num_workers=2, pin_memory=True) as ds:
         for x, y in ds.train_batches(loader_batch=8, num_processes=1, process_index=0, seed=0, epoch=1):
-            assert x.is_pinned()
+            assert x.is_pinned() and y.is_pinned()
             on_gpu = x.to("cuda", non_blocking=True)
             torch.cuda.synchronize()
             assert torch.equal(on_gpu.cpu(), x)
