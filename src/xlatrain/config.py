@@ -161,8 +161,10 @@ class TrainConfig:
             DataLoader's workers, or the shard reader's). ``"auto"``: the CPUs this process may use
             (``os.sched_getaffinity``), shared among the training processes on the host
             (``LOCAL_WORLD_SIZE``), less one for the training process itself, and at most the
-            batches of an epoch; none for data already in memory (a ``TensorDataset``, a list). The
-            run's header says what was chosen and why; a number is used as given.
+            batches of an epoch; none for data already in memory (a ``TensorDataset``, a list), or
+            whose batch this process makes in under a millisecond (less than taking one from a
+            worker costs it; the batches are the same either way). The run's header says what was
+            chosen and why; a number is used as given.
         task: ``classification`` (accuracy), ``multilabel`` (per-label AUC), ``none`` (loss only)
             or ``auto`` (from the loss: CrossEntropyLoss / BCEWithLogitsLoss).
         top_k: classification: also report ``val_top{k}_accuracy`` for each ``k`` (``(5,)``: top-5),
