@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import xlatrain
+from xlatrain.backend import model_state
 from xlatrain.recipes.lm.model import ByteGPT
 from xlatrain.recipes.lm.recipe import byte_loss
 from xlatrain.train import perf
@@ -229,3 +230,46 @@ def test_a_device_from_the_table_names_its_memory():
     assert parse_memory("16GiB")[0] == parse_memory("tpu-v5e")[0] and parse_memory("24GB")[0] == 24 * 10**9
     with pytest.raises(ValueError, match=r"device_memory='16 bytes please' is not valid: .*'16GB'.*tpu-v5e"):
         xlatrain.BackendConfig(device_memory="16 bytes please")
+
+
+class _SharedState(torch.optim.Optimizer):
+    """Not torch.optim's: one state tensor per group, kept under its first parameter."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            first = group["params"][0]
+            total = self.state[first].setdefault("sizes", torch.zeros(len(group["params"]), device=first.device))
+            total += 1
+            for p in group["params"]:
+                p.add_(p.grad, alpha=-group["lr"])
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+    lambda ps: torch.optim.Adam([{"params": ps[:3], "amsgrad": True}, {"params": ps[3:]}], lr=1e-3),
+    lambda ps: torch.optim.SGD([{"params": ps[:4], "momentum": 0.9}, {"params": ps[4:]}], lr=0.1),
+    lambda ps: torch.optim.RMSprop(ps, lr=1e-3, momentum=0.5, centered=True),
+    lambda ps: torch.optim.Adagrad(ps, lr=0.1),  # makes its state as it is built: counted from it
+    lambda ps: _SharedState([{"params": ps[:2]}, {"params": ps[2:]}]),
+], ids=["adamw", "adam-amsgrad-in-one-group", "sgd-momentum-in-one-group", "rmsprop-centered", "adagrad", "shared-state"])
+def test_the_planned_optimizer_state_is_the_state_a_real_step_makes(make):
+    """Repeated blocks are stepped once per kind of parameter on meta tensors; the count must be
+    what a real step of the real optimizer holds, group settings and a frozen layer included."""
+    torch.manual_seed(0)
+    model = _Tied()
+    params = [p for p in {id(p): p for p in model.parameters()}.values() if p.requires_grad]
+    optimizer = make(params)
+    def local_part(t):
+        return t.shape, t.dtype
+
+    plan = model_state.planned_state_bytes(model, optimizer, local_part)
+    assert plan["optimizer_source"] == ("its state" if optimizer.state else f"one step of {type(optimizer).__name__} on meta tensors")
+    tokens, targets = _tokens(4, 2)[:]
+    nn.CrossEntropyLoss()(model(tokens), targets).backward()
+    optimizer.step()
+    real = model_state.state_bytes(model, optimizer)
+    assert plan["optimizer"] == real["optimizer"] > 0
