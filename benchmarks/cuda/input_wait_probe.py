@@ -2,7 +2,7 @@
 training thread spent blocked on the decode workers, the workers' start-up, and the device-resident
 step in eval and training mode. A probe, not a benchmark entry: it wraps xlatrain internals to time
 them. Written against the shard reader that page-locked batches on the training thread (before
-``_PinThread``); its output is section 1 of NVIDIA-H100-pipeline.log. Run from the repository root:
+``_PinThread``); its output is section 1 of NVIDIA-H100.log. Run from the repository root:
 ``python benchmarks/cuda/input_wait_probe.py [override ...]`` (``DIAG_DEV=cpu`` for a smoke run).
 """
 import json, os, sys, tempfile, time

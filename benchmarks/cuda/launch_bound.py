@@ -2,7 +2,7 @@
 iterator) and whether the device-resident step is bound by the Python thread launching it (the
 time to launch one step against its synchronized time). A probe that wraps xlatrain internals,
 written against the shard reader before ``_PinThread``; its output is section 2 of
-NVIDIA-H100-pipeline.log. Run from the repository root: ``python benchmarks/cuda/launch_bound.py``.
+NVIDIA-H100.log. Run from the repository root: ``python benchmarks/cuda/launch_bound.py``.
 """
 import json, os, sys, tempfile, time
 sys.path.insert(0, os.getcwd()); sys.path.insert(0, os.path.join(os.getcwd(), "src"))

@@ -1,6 +1,6 @@
 """Batches page-locked on the training thread (as before ``_PinThread``) against the pinning thread,
 alternating rounds in one process, each against the device-resident step. Its output is section 3
-of NVIDIA-H100-pipeline.log. Run from the repository root: ``python benchmarks/cuda/pin_thread_ab.py``
+of NVIDIA-H100.log. Run from the repository root: ``python benchmarks/cuda/pin_thread_ab.py``
 (``ROUNDS=N``; ``DIAG_DEV=cpu`` for a smoke run on the CPU).
 """
 import json, os, sys, tempfile
