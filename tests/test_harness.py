@@ -81,7 +81,8 @@ def test_a_test_stopped_while_its_script_runs_leaves_none_of_its_processes(tmp_p
     try:
         def stop_once_started():
             deadline = time.monotonic() + 60
-            while not child.exists() and time.monotonic() < deadline:
+            # write_text makes the file before it writes the pids: wait for them, not for the file.
+            while not (child.exists() and child.read_text().strip()) and time.monotonic() < deadline:
                 time.sleep(0.05)
             os.kill(os.getpid(), signal.SIGUSR1)
 
