@@ -41,8 +41,9 @@ def loader_layout(strategy: Strategy, per_device: int) -> dict[str, int]:
 
 # Making a batch in the training process that takes less than this costs it no more than taking
 # one from a worker process would (0.6-0.95 ms a batch measured on this project's CPU, a DataLoader
-# worker's queue already full), and saves starting the workers: on an H100 host, 8 workers for the
-# LM benchmark's windows cost the start-up 4 to 12 steps.
+# worker's queue already full), and saves starting the workers: on an H100 host the LM benchmark's
+# start-up was 3.9-14.0 steps longer than a hand loop's with 8 workers for its byte windows, 2.2-7.8
+# with none.
 IN_PROCESS_BATCH_S = 1e-3
 
 
