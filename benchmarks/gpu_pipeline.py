@@ -50,8 +50,8 @@ def _recipe(root: str, overrides: list[str], accelerator: str) -> tuple[Any, Any
 def _resident(trainer: Any, device: str, steps: int) -> float:
     """Images/s of the recipe's network on one batch that stays on the device: same precision and
     memory format, the recipe's loss and a fresh Adam, in training mode as the recipe trains (a fit
-    ends with validation, in eval mode: batch norm's running statistics and no augmentation would
-    make this side faster than any training)."""
+    ends with validation, in eval mode: batch norm's running statistics and no rotation are another
+    step than the recipe's)."""
     model = trainer.strategy.unwrap(trainer.model)
     model.train()
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
