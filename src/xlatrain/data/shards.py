@@ -1115,7 +1115,7 @@ class _PinThread:
     On CUDA an eager step is often bound by the Python thread that launches its kernels (a
     resnet34 step at batch 64 on an H100 launched in 20.2 ms and ran in 20.3 ms): every
     millisecond that thread spends taking a batch off the workers and copying it into pinned
-    memory (1.5-3 ms a batch there, with 5-6 ms spikes) is a millisecond the device waits. Here
+    memory (1.6-3.7 ms a batch there on average, with 5-6 ms spikes) is one the device waits. Here
     the consumer only takes a ready batch off a queue; the copy runs with the GIL released. The
     pinned memory comes from torch's caching host allocator, which keeps each block until the
     copies that read it are done, so a batch may be freed as soon as its copy is queued.
