@@ -75,9 +75,9 @@ def in_process_batch_s(
     once (and is given 5 times the limit: slow data stops it at the item that passes it, which is
     all it waits for), the second is the one measured. The random state is left as it was found.
     """
-    n = min(rows, len(dataset))
     state = random.getstate(), np.random.get_state(), torch.get_rng_state()
     try:
+        n = min(rows, len(dataset))
         if _batch_s(dataset, range(n), collate_fn, 5 * limit_s) is None:
             return None
         return _batch_s(dataset, [(n + i) % len(dataset) for i in range(n)], collate_fn, limit_s)
