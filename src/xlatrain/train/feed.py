@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
 
 from xlatrain.data.workers import auto_workers
 
-from xlatrain.backend.base import Runtime, Strategy
+from xlatrain.backend.base import Runtime, Strategy, host_rng_state, set_host_rng_state
 from xlatrain.config import TrainConfig
 from xlatrain.data.sampling import EvalSampler, PaddedDataset, TrainSampler, UserSampler
 from xlatrain.data.source import BatchSource, train_steps_per_epoch
@@ -75,7 +75,7 @@ def in_process_batch_s(
     once (and is given 5 times the limit: slow data stops it at the item that passes it, which is
     all it waits for), the second is the one measured. The random state is left as it was found.
     """
-    state = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    state = host_rng_state()
     try:
         n = min(rows, len(dataset))
         if _batch_s(dataset, range(n), collate_fn, 5 * limit_s) is None:
@@ -84,9 +84,7 @@ def in_process_batch_s(
     except Exception:  # noqa: BLE001 - not this measurement's to report
         return None
     finally:
-        random.setstate(state[0])
-        np.random.set_state(state[1])
-        torch.set_rng_state(state[2])
+        set_host_rng_state(state)
 
 
 def _batch_s(dataset: Any, indices: Iterable[int], collate_fn: Callable[[list[Any]], Any], limit_s: float) -> float | None:
