@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from warm import popen as warm_popen
+
 HAS_XLA = importlib.util.find_spec("torch_xla") is not None
 
 # What xlatrain's command line does on a host without a TPU, done before this process imports
@@ -175,14 +177,19 @@ def _dump_one_at_a_time(tree: list[int], each_s: float = 10) -> None:
             time.sleep(0.01)
 
 
-def run_bounded(args: list[str], env: dict[str, str], timeout: float, cwd: Path | None = None) -> subprocess.CompletedProcess:
+def run_bounded(args: list[str], env: dict[str, str], timeout: float, cwd: Path | None = None,
+                warm: bool = False) -> subprocess.CompletedProcess:
     """Run ``args`` with its output captured. One still running after ``timeout`` seconds fails the
     test with what it printed and where it was: every process of its tree gets SIGABRT, on which a
     Python process with faulthandler on (``script_env`` sets PYTHONFAULTHANDLER) prints the stack
     of each of its threads to stderr (one process at a time, at most 10 s each, see
-    ``_dump_one_at_a_time``); whatever still runs 30 s after the last one's turn is killed."""
-    proc = subprocess.Popen(args, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            stdin=subprocess.DEVNULL)
+    ``_dump_one_at_a_time``); whatever still runs 30 s after the last one's turn is killed.
+    ``warm``: a Python script may run forked from a warm interpreter (tests/warm.py)."""
+    if warm:
+        proc = warm_popen(args, env, cwd=cwd)
+    else:
+        proc = subprocess.Popen(args, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                stdin=subprocess.DEVNULL)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -206,9 +213,12 @@ def run_bounded(args: list[str], env: dict[str, str], timeout: float, cwd: Path 
     return subprocess.CompletedProcess(args, proc.returncode, out, err)
 
 
-def run_command(args: list[str], env: dict[str, str] | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    """Run ``args`` in a clean environment (see :func:`script_env`); fail with its output."""
-    proc = run_bounded(args, script_env(env), timeout)
+def run_command(args: list[str], env: dict[str, str] | None = None, timeout: int = 300,
+                warm: bool = True) -> subprocess.CompletedProcess:
+    """Run ``args`` in a clean environment (see :func:`script_env`); fail with its output.
+    A Python script runs forked from a warm interpreter where it can (tests/warm.py); ``warm=False``
+    starts a fresh one."""
+    proc = run_bounded(args, script_env(env), timeout, warm=warm)
     # No exit code is excused: a process that aborts at exit after training ("terminate called
     # without an active exception", gloo's threads at interpreter shutdown) fails here. The group
     # xlatrain makes is torn down, and collected, at exit (backend/processes.py).
@@ -218,7 +228,8 @@ def run_command(args: list[str], env: dict[str, str] | None = None, timeout: int
 
 
 def run_script(args: list[str], env: dict[str, str] | None = None, timeout: int = 300) -> list[dict]:
-    """Run ``args`` (a script path first, or a launcher like torchrun) and return its HISTORY json."""
+    """Run ``args`` (a script path first, or a launcher like torchrun) and return its HISTORY json.
+    A Python script runs forked from a warm interpreter where it can (tests/warm.py)."""
     proc = run_command(args, env, timeout)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("HISTORY ")]
     assert len(lines) == 1, f"expected one HISTORY line from the main process, got {len(lines)}:\n{proc.stdout}"

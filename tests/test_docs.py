@@ -20,8 +20,10 @@ are checked by name (the subcommand and flags parse, each ``--set`` key exists i
 modules and Make targets exist); everything else runs. Commands run in the tests' script
 environment (conftest.script_env), with two differences a reader would not have: XLA:CPU generates
 code at LLVM optimization level 0 (``XLA_FLAGS``), which changes how long XLA commands compile
-and how fast their code runs, not what the pages describe; and faulthandler is on
-(``PYTHONFAULTHANDLER``), so a command that hangs prints its threads' stacks when it is stopped.
+and how fast their code runs, not what the pages describe; faulthandler is on
+(``PYTHONFAULTHANDLER``), so a command that hangs prints its threads' stacks when it is stopped;
+and a Python command may run forked from an interpreter that has imported torch already
+(tests/warm.py), which changes how long it takes to start, not what it does.
 """
 
 from __future__ import annotations
@@ -297,7 +299,7 @@ def run_command(command: str, cwd: Path, exits: int = 0) -> str:
     # Each command takes seconds at the tiny sizes (at most ~40 s measured, loaded); well under the
     # test's own limit, so that a command that hangs is named with what it printed and where it was.
     try:
-        proc = run_bounded([*launcher, *argv], full_env, COMMAND_TIMEOUT_S, cwd=cwd)
+        proc = run_bounded([*launcher, *argv], full_env, COMMAND_TIMEOUT_S, cwd=cwd, warm=True)
     except AssertionError as exc:
         raise AssertionError(f"`{command}`: {exc}") from None
     assert proc.returncode == exits, f"`{command}` exited {proc.returncode}:\n{proc.stdout[-2500:]}\n{proc.stderr[-2500:]}"
@@ -359,7 +361,8 @@ def test_every_block_of_the_page_runs_as_written_or_names_what_exists(page, tmp_
     if session:
         (tmp_path / "blocks.json").write_text(json.dumps(session))
         env = reader_env({"XLATRAIN_CACHE_DIR": str(work / ".cache")})
-        proc = run_bounded([sys.executable, str(SCRIPTS / "doc_session.py"), str(tmp_path / "blocks.json")], env, 900, cwd=work)
+        proc = run_bounded([sys.executable, str(SCRIPTS / "doc_session.py"), str(tmp_path / "blocks.json")], env, 900, cwd=work,
+                           warm=True)
         assert proc.returncode == 0, f"{page}: a Python block failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
         report += [f"{page}:{b['line']}: ran" for b in session]
     print("\n".join(report))

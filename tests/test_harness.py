@@ -53,7 +53,7 @@ def _gone(pid: str) -> bool:
 def test_a_script_that_outlives_its_time_fails_with_every_process_and_thread_stack(tmp_path):
     """Four processes, thirteen threads: each process's stacks come out whole, one after another."""
     with pytest.raises(AssertionError) as failed:
-        run_command([sys.executable, "-c", HANGS, str(tmp_path / "children")], timeout=10)
+        run_command([sys.executable, "-c", HANGS, str(tmp_path / "children")], timeout=10, warm=False)
     said = str(failed.value)
     assert "did not finish in 10 s" in said and "processes (4)" in said
     assert "started" in said  # what it printed before
@@ -88,7 +88,53 @@ def test_a_test_stopped_while_its_script_runs_leaves_none_of_its_processes(tmp_p
 
         threading.Thread(target=stop_once_started, daemon=True).start()
         with pytest.raises(Stopped):
-            run_command([sys.executable, "-c", HANGS, str(child)], timeout=120)
+            run_command([sys.executable, "-c", HANGS, str(child)], timeout=120, warm=False)
     finally:
         signal.signal(signal.SIGUSR1, previous)
     assert _gone(child.read_text()), "the script's child still runs"
+
+
+WARM_CHILD = """
+import os, sys, numpy
+print(__name__, sys.argv[1:], os.getcwd(), os.environ.get("XLATRAIN_PROBE"), "torch" in sys.modules, flush=True)
+print(numpy.random.randint(1 << 30), file=sys.stderr)
+if sys.argv[1] == "wait":
+    sys.stdin.read()  # /dev/null: returns at once
+    import time; time.sleep(60)
+sys.exit(int(sys.argv[1]) if sys.argv[1].isdigit() else 0)
+"""
+
+
+def test_a_warm_script_is_a_process_of_its_own_with_its_arguments_environment_and_exit(tmp_path):
+    """tests/warm.py: the second command with one environment is forked from a server that has
+    imported torch; each gets its own argv, cwd, environment, streams, signals and exit status."""
+    import subprocess
+
+    from conftest import script_env
+    from warm import WarmProcess, popen
+
+    script = tmp_path / "child.py"
+    script.write_text(WARM_CHILD)
+    env = script_env()
+    runs = []
+    for code in ("0", "3", "5"):
+        proc = popen([sys.executable, str(script), code], {**env, "XLATRAIN_PROBE": code}, cwd=tmp_path)
+        out, err = proc.communicate(timeout=120)
+        runs.append((type(proc), proc.returncode, out, err))
+    assert [kind for kind, *_ in runs] == [subprocess.Popen, WarmProcess, WarmProcess]
+    assert [code for _, code, *_ in runs] == [0, 3, 5]
+    for (kind, _, out, _), code in zip(runs, ("0", "3", "5")):  # only the warm ones have torch already
+        assert out == f"__main__ ['{code}'] {tmp_path} {code} {kind is WarmProcess}\n"
+    assert len({err for *_, err in runs}) == 3  # numpy's global generator differs in each
+    # A signal reaches the script, and its exit says so.
+    proc = popen([sys.executable, str(script), "wait"], env, stderr=subprocess.STDOUT)
+    assert isinstance(proc, WarmProcess) and proc.stdout.readline().startswith("__main__ ['wait']")
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=30)
+    assert proc.returncode == -signal.SIGTERM
+    # An uncaught exception: its traceback on stderr, exit status 1.
+    proc = popen([sys.executable, "-c", "raise ValueError('named')"], env)
+    out, err = proc.communicate(timeout=30)
+    assert isinstance(proc, WarmProcess) and proc.returncode == 1 and "ValueError: named" in err
+    # An environment that differs in what an import may read starts a fresh process.
+    assert type(popen([sys.executable, "-c", "pass"], {**env, "OMP_NUM_THREADS": "7"})) is subprocess.Popen

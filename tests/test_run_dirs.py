@@ -67,7 +67,7 @@ def test_make_demo_then_the_demo_on_four_xla_devices_in_one_directory(tmp_path):
     """The README pair that collided (`cannot resume from runs/demo/...: the run cannot continue
     under run.global_batch 32 -> 128`): now each trains its own run, and finds it again."""
     def run(args: list[str], **env: str) -> str:
-        proc = run_bounded(args, script_env(env), 600, cwd=tmp_path)
+        proc = run_bounded(args, script_env(env), 600, cwd=tmp_path, warm=True)
         assert proc.returncode == 0, f"{' '.join(args[2:])} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
         return proc.stdout + proc.stderr
 

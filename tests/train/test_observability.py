@@ -52,9 +52,10 @@ def test_a_resumed_run_continues_its_curves_without_gaps_or_repeats(tmp_path):
     import subprocess
 
     from conftest import script_env
+    from warm import popen as warm_popen
 
     args = [sys.executable, str(SCRIPTS / "resumable.py"), str(tmp_path), "2", "5", "0.01"]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=script_env())
+    proc = warm_popen(args, script_env(), stderr=subprocess.STDOUT)
     for line in proc.stdout:
         if "epoch 1 step 8/12" in line:
             proc.send_signal(signal.SIGTERM)

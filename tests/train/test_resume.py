@@ -20,6 +20,7 @@ from torch.utils.data import TensorDataset
 
 import xlatrain
 from conftest import SCRIPTS, run_script, script_env
+from warm import popen as warm_popen
 from xlatrain.checkpoint import CheckpointError, find_resumable, list_checkpoints, read_checkpoint, latest_name
 
 RESUMABLE = str(SCRIPTS / "resumable.py")
@@ -30,11 +31,8 @@ def _env():
 
 
 def _start(run_dir, epochs=2, every=3, sleep_s=0.01, extra=(), launcher=(sys.executable,), env=None):
-    return subprocess.Popen(
-        [*launcher, RESUMABLE, str(run_dir), str(epochs), str(every), str(sleep_s), *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**_env(), **(env or {})},
-        stdin=subprocess.DEVNULL,
-    )
+    return warm_popen([*launcher, RESUMABLE, str(run_dir), str(epochs), str(every), str(sleep_s), *extra],
+                      {**_env(), **(env or {})}, stderr=subprocess.STDOUT)
 
 
 def _wait_for_line(proc, needle, timeout=60):
@@ -132,10 +130,8 @@ def _kill_job(proc):
 
 
 def _kill_one(run_dir, every, delay, at_save, extra=(), launcher=(sys.executable,), total=12):
-    proc = subprocess.Popen(
-        [*launcher, RESUMABLE, str(run_dir), "1", str(every), "0.002", *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), stdin=subprocess.DEVNULL,
-    )
+    proc = warm_popen([*launcher, RESUMABLE, str(run_dir), "1", str(every), "0.002", *extra], _env(),
+                      stderr=subprocess.STDOUT)
     _wait_for_line(proc, f"step 1/{total}")
     if at_save:  # aim at a save after the first one: wait until it is under way, cut it at random
         root, deadline = run_dir / "checkpoints", time.monotonic() + 20

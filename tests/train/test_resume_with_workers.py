@@ -17,6 +17,7 @@ import pytest
 from safetensors.torch import load_file
 
 from conftest import SCRIPTS, run_script, script_env
+from warm import popen as warm_popen
 
 SCRIPT = str(SCRIPTS / "augmented_fit.py")
 TIMING = ("samples_per_s", "tokens_per_s", "mfu", "epoch_time_s", "input_bound_share", "warmup_s")
@@ -29,8 +30,7 @@ def _numbers(history):
 def _kill_at(cmd, needle, cwd_env=None):
     """Start ``cmd`` in a session of its own, SIGKILL it and everything it started once a line
     holds ``needle``."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=script_env(),
-                            stdin=subprocess.DEVNULL, start_new_session=True)
+    proc = warm_popen(cmd, script_env(), stderr=subprocess.STDOUT, start_new_session=True)
     seen = []
     for line in proc.stdout:
         seen.append(line)

@@ -1,0 +1,326 @@
+"""Test scripts started from a warm interpreter: a process forked from one that has imported torch.
+
+Most processes the tests start import torch (about 1.7 s here), and train with a torch optimizer,
+whose first step imports torch._dynamo (1.5 s more); in .venv-xla, torch_xla takes 4-6 s. Measured
+over ``make test``, these imports were most of the CPU time of the scripts the tests start. A
+warm server imports them once; each script then runs in a child it forks (``os.fork``), the
+script's own arguments, environment, working directory and standard streams put in place, and
+its code run as ``__main__`` (``runpy``). The child is a real process: signals, ``kill -9``,
+``os._exit``, atexit handlers, its own children and its exit status are a fresh process's. What
+differs is only what the server did before the fork: the imports, nothing else (no tensor op
+runs in the server, so no thread pool or device is up; Python's ``random`` reseeds itself in a
+forked child and numpy's global generator is reseeded here).
+
+:func:`popen` decides per command. A command runs warm only when it is ``python SCRIPT.py ...``,
+``python -m MODULE ...`` or ``python -c CODE ...`` (any Python interpreter: a server runs under
+the command's own), and its environment matches the server's in everything a module might read when it is imported
+(only ``XLATRAIN_*`` and the keys in ``RUN_TIME_KEYS`` may differ; anything else, and the
+command starts a fresh process). A server starts at the second command with the same
+environment (one used once is not worth an import), one per pytest worker and environment.
+Tests of start-up itself (what ``import xlatrain`` loads, the start-up hook, the doctor's view of
+the environment, torchrun, the docs' commands) start fresh processes (``subprocess``), never this.
+``XLATRAIN_TEST_WARM=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import atexit
+import io
+import json
+import os
+import runpy
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import types
+from pathlib import Path
+
+# Read by the scripts or xlatrain when they run, never when a preloaded module is imported.
+RUN_TIME_KEYS = {"PYTEST_CURRENT_TEST", "STORAGE_EMULATOR_HOST", "MASTER_ADDR", "MASTER_PORT", "RANK",
+                 "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"}
+MAX_MESSAGE = 1 << 20
+
+
+def _import_time_env(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted((k, v) for k, v in env.items() if k not in RUN_TIME_KEYS and not k.startswith("XLATRAIN_")))
+
+
+# What the server imports. Not torch_xla (4-6 s more): xlatrain writes XLA:CPU settings into the
+# environment before it imports torch_xla (backend/xla.py), and a preloaded one would have read
+# its own defaults already.
+PRELOAD = ["torch", "torch._dynamo"]
+
+
+# --- the server ----------------------------------------------------------------------------------
+
+def _serve(path: str, modules: list[str]) -> int | None:
+    """Import ``modules``, then fork a child per request until stdin closes. Returns None in the
+    server (which then exits), the child's code in a child (which runs it and exits with it)."""
+    import importlib
+
+    for name in modules:
+        importlib.import_module(name)
+    base_env = dict(os.environ)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen(64)
+    sys.stdout.write("ready\n")
+    sys.stdout.flush()
+    children: dict[int, socket.socket] = {}
+    while True:
+        ready, _, _ = select.select([listener, sys.stdin], [], [], 0.01 if children else 0.5)
+        if sys.stdin in ready and not os.read(sys.stdin.fileno(), 1):
+            return None  # the tests are done (or gone)
+        if listener in ready:
+            conn, _ = listener.accept()
+            message, fds, _, _ = socket.recv_fds(conn, MAX_MESSAGE, 3)
+            request = json.loads(message)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                for other in (listener, conn, *children.values()):
+                    other.close()
+                return _child(request, fds, base_env)
+            for fd in fds:
+                os.close(fd)
+            conn.send(f"{pid}".encode())
+            children[pid] = conn
+        while children:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            conn = children.pop(pid, None)
+            if conn is not None:
+                try:
+                    conn.send(f"{os.waitstatus_to_exitcode(status)}".encode())
+                except OSError:
+                    pass
+                conn.close()
+
+
+def _child(request: dict, fds: list[int], base_env: dict[str, str]):
+    """In the forked child: become the requested command. Returns what the command's code returns
+    (None for a script that ends normally); its exceptions propagate as an uncaught one would."""
+    for target, fd in zip((0, 1, 2), fds):
+        os.dup2(fd, target)
+    for fd in set(fds):
+        os.close(fd)
+    if request["new_session"]:
+        os.setsid()
+    os.chdir(request["cwd"])
+    env = dict(os.environ)  # the server's, with what its imports set
+    for key in set(base_env) | set(request["env"]):
+        if key in request["env"]:
+            env[key] = request["env"][key]
+        elif key in base_env:
+            env.pop(key, None)
+    os.environ.clear()
+    os.environ.update(env)
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    argv = request["argv"][1:]
+    if argv[0] == "-c":
+        sys.argv = ["-c", *argv[2:]]
+        sys.path[0] = ""
+        main = sys.modules["__main__"] = types.ModuleType("__main__")
+        main.__builtins__ = __builtins__
+        exec(compile(argv[1], "<string>", "exec"), main.__dict__)
+    elif argv[0] == "-m":
+        sys.argv = [argv[1], *argv[2:]]
+        sys.path[0] = request["cwd"]
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(argv)
+        sys.path[0] = str(Path(argv[0]).resolve().parent)
+        runpy.run_path(argv[0], run_name="__main__")
+    return None
+
+
+# --- the client ----------------------------------------------------------------------------------
+
+class WarmProcess:
+    """The part of ``subprocess.Popen`` the tests use, for a child of a warm server."""
+
+    def __init__(self, server: _Server, args: list[str], env: dict[str, str], cwd, stdout, stderr, text: bool,
+                 start_new_session: bool):
+        self.args = args
+        self.returncode: int | None = None
+        self.stdout = self.stderr = None
+        self._readers: list[tuple[object, list, threading.Thread | None]] = []
+        send, close = [], []
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        send.append(devnull)
+        close.append(devnull)
+        pipes = {}
+        for name, wanted in (("stdout", stdout), ("stderr", stderr)):
+            if wanted == subprocess.PIPE:
+                r, w = os.pipe()
+                pipes[name] = open(r, "r" if text else "rb", **({"encoding": "utf-8", "errors": "replace"} if text else {}))
+                send.append(w)
+                close.append(w)
+            elif wanted == subprocess.STDOUT:
+                send.append(send[1])
+            else:
+                send.append(1 if name == "stdout" else 2)
+        self.stdout, self.stderr = pipes.get("stdout"), pipes.get("stderr")
+        self._control = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._control.connect(server.path)
+        request = {"argv": args, "env": env, "cwd": str(cwd or os.getcwd()), "new_session": start_new_session}
+        socket.send_fds(self._control, [json.dumps(request).encode()], send)
+        for fd in close:
+            os.close(fd)
+        reply = self._control.recv(64)
+        if not reply:
+            raise RuntimeError(f"the warm server for {args[0]} is gone")
+        self.pid = int(reply)
+
+    # exit status
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            ready, _, _ = select.select([self._control], [], [], 0)
+            if ready:
+                self._read_status()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            ready, _, _ = select.select([self._control], [], [], timeout)
+            if not ready:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self._read_status()
+        return self.returncode
+
+    def _read_status(self) -> None:
+        reply = self._control.recv(64)
+        self._control.close()
+        if not reply:
+            raise RuntimeError(f"the warm server for {self.args[0]} went away before process {self.pid} ended")
+        self.returncode = int(reply)
+
+    # signals
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    # output
+    def communicate(self, input=None, timeout: float | None = None):
+        assert input is None, "warm processes read /dev/null"
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._readers:
+            for stream in (self.stdout, self.stderr):
+                chunks: list = []
+                thread = None
+                if stream is not None:
+                    thread = threading.Thread(target=_drain, args=(stream, chunks), daemon=True)
+                    thread.start()
+                self._readers.append((stream, chunks, thread))
+        for _, _, thread in self._readers:
+            if thread is not None:
+                thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+                if thread.is_alive():
+                    raise subprocess.TimeoutExpired(self.args, timeout, *(self._so_far(i, bytes_=True) for i in (0, 1)))
+        try:
+            self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            raise subprocess.TimeoutExpired(self.args, timeout, *(self._so_far(i, bytes_=True) for i in (0, 1))) from None
+        return tuple(self._so_far(i) for i in (0, 1))
+
+    def _so_far(self, i: int, bytes_: bool = False):
+        stream, chunks, _ = self._readers[i]
+        if stream is None:
+            return None
+        joined = ("" if isinstance(stream, io.TextIOBase) else b"").join(chunks)
+        return joined.encode() if bytes_ and isinstance(joined, str) else joined
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for stream in (self.stdout, self.stderr):
+            if stream is not None:
+                stream.close()
+        self.wait()
+
+
+def _drain(stream, chunks: list) -> None:
+    for line in iter(stream.readline, stream.read(0)):
+        chunks.append(line)
+
+
+class _Server:
+    def __init__(self, python: str, env: dict[str, str]):
+        self.dir = tempfile.mkdtemp(prefix="xlatrain-warm-")
+        self.path = os.path.join(self.dir, "socket")
+        self.proc = subprocess.Popen([python, __file__, self.path, *PRELOAD], env=env, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, cwd=self.dir)
+        line = self.proc.stdout.readline()
+        if line.strip() != "ready":
+            raise RuntimeError(f"the warm server did not start ({self.proc.wait()}): {line}")
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=10)
+        except Exception:  # noqa: BLE001
+            self.proc.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+_servers: dict[tuple, _Server] = {}
+_seen: set[tuple] = set()
+_lock = threading.Lock()
+
+
+def enabled() -> bool:
+    return os.environ.get("XLATRAIN_TEST_WARM", "1") != "0"
+
+
+def popen(args: list[str], env: dict[str, str], cwd=None, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+          text: bool = True, start_new_session: bool = False):
+    """``subprocess.Popen(args, ...)`` (stdin from /dev/null), or the same command forked from a warm
+    server where it can be (see the module's docstring)."""
+    args = [str(a) for a in args]
+    warm = (enabled() and len(args) >= 2 and Path(args[0]).name.startswith("python")
+            and (args[1].endswith(".py") or (args[1] in ("-m", "-c") and len(args) >= 3)))
+    server = None
+    if warm:
+        key = (args[0], _import_time_env(env))
+        with _lock:
+            if key in _servers:
+                server = _servers[key]
+            elif key in _seen:
+                server = _servers[key] = _Server(args[0], env)
+            else:
+                _seen.add(key)
+    if server is None:
+        return subprocess.Popen(args, env=env, cwd=cwd, stdout=stdout, stderr=stderr, text=text,
+                                stdin=subprocess.DEVNULL, start_new_session=start_new_session)
+    return WarmProcess(server, args, env, cwd, stdout, stderr, text, start_new_session)
+
+
+@atexit.register
+def _close_servers() -> None:
+    for server in _servers.values():
+        server.close()
+
+
+if __name__ == "__main__":
+    outcome = _serve(sys.argv[1], sys.argv[2:])
+    if outcome is not None:
+        sys.exit(outcome)
