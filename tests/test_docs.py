@@ -341,7 +341,7 @@ def test_every_block_of_the_page_runs_as_written_or_names_what_exists(page, tmp_
     found = blocks(path)
     work = _session_dir(tmp_path)
     python_blocks = [b for b in found if b.lang == "python"]
-    # Shell commands run in the reading order of every page in one directory (the test below:
+    # Shell commands run in the reading order of every page in one directory (test_docs_in_order.py:
     # README first, in a fresh directory). Here they run only on a page with a Python block
     # marked ``<!-- docs-test: after-shell -->`` (it reads what they made: packed data, a run
     # directory); elsewhere only those checked by name.
@@ -365,17 +365,6 @@ def test_every_block_of_the_page_runs_as_written_or_names_what_exists(page, tmp_
                            warm=True)
         assert proc.returncode == 0, f"{page}: a Python block failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
         report += [f"{page}:{b['line']}: ran" for b in session]
-    print("\n".join(report))
-
-
-def test_the_pages_shell_commands_run_one_after_another_in_one_directory(tmp_path):
-    """A reader works through README and the site's pages in one checkout: every command runs
-    where the ones before it ran, finding what they left (run directories, packed data)."""
-    work = _session_dir(tmp_path)
-    report = []
-    for page in reading_order():
-        for block, command in shell_steps(page):
-            report.append(run_step(block, command, work))
     print("\n".join(report))
 
 

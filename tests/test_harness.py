@@ -115,7 +115,7 @@ def test_a_warm_script_is_a_process_of_its_own_with_its_arguments_environment_an
 
     script = tmp_path / "child.py"
     script.write_text(WARM_CHILD)
-    env = script_env()
+    env = script_env({"WARM_TEST_RUN": str(tmp_path)})  # an environment no other test has: a server of its own
     runs = []
     for code in ("0", "3", "5"):
         proc = popen([sys.executable, str(script), code], {**env, "XLATRAIN_PROBE": code}, cwd=tmp_path)

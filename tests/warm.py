@@ -7,13 +7,15 @@ warm server imports them once; each script then runs in a child it forks (``os.f
 script's own arguments, environment, working directory and standard streams put in place, and
 its code run as ``__main__`` (``runpy``). The child is a real process: signals, ``kill -9``,
 ``os._exit``, atexit handlers, its own children and its exit status are a fresh process's. What
-differs is only what the server did before the fork: the imports, nothing else (no tensor op
+differs is only what the server did before the fork: the imports (and the one variable they set
+in the environment, ``TORCHINDUCTOR_CACHE_DIR``, to the default path), nothing else (no tensor op
 runs in the server, so no thread pool or device is up; Python's ``random`` reseeds itself in a
 forked child and numpy's global generator is reseeded here).
 
 :func:`popen` decides per command. A command runs warm only when it is ``python SCRIPT.py ...``,
 ``python -m MODULE ...`` or ``python -c CODE ...`` (any Python interpreter: a server runs under
-the command's own), and its environment matches the server's in everything a module might read when it is imported
+the command's own) or ``torchrun ...`` (the launcher; the workers it starts are fresh processes),
+and its environment matches the server's in everything a module might read when it is imported
 (only ``XLATRAIN_*`` and the keys in ``RUN_TIME_KEYS`` may differ; anything else, and the
 command starts a fresh process). A server starts at the second command with the same
 environment (one used once is not worth an import), one per pytest worker and environment.
@@ -274,11 +276,14 @@ class _Server:
             raise RuntimeError(f"the warm server did not start ({self.proc.wait()}): {line}")
 
     def close(self) -> None:
+        # Closing stdin ends it, unless a process forked from the tests' own (a data worker left
+        # over) holds the pipe's other end too: then SIGTERM, after a moment, not a wait per server.
+        self.proc.stdin.close()
         try:
-            self.proc.stdin.close()
-            self.proc.wait(timeout=10)
-        except Exception:  # noqa: BLE001
-            self.proc.kill()
+            self.proc.wait(timeout=1)
+        except subprocess.TimeoutExpired:
+            self.proc.terminate()
+            self.proc.wait()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
@@ -296,22 +301,27 @@ def popen(args: list[str], env: dict[str, str], cwd=None, stdout=subprocess.PIPE
     """``subprocess.Popen(args, ...)`` (stdin from /dev/null), or the same command forked from a warm
     server where it can be (see the module's docstring)."""
     args = [str(a) for a in args]
-    warm = (enabled() and len(args) >= 2 and Path(args[0]).name.startswith("python")
-            and (args[1].endswith(".py") or (args[1] in ("-m", "-c") and len(args) >= 3)))
+    command = args
+    if Path(args[0]).name == "torchrun" and (Path(args[0]).parent / "python").exists():
+        # torchrun is `python -m torch.distributed.run` (its console script calls that main()):
+        # the launcher can be warm; the workers it starts are fresh processes, as always.
+        command = [str(Path(args[0]).parent / "python"), "-m", "torch.distributed.run", *args[1:]]
+    warm = (enabled() and len(command) >= 2 and Path(command[0]).name.startswith("python")
+            and (command[1].endswith(".py") or (command[1] in ("-m", "-c") and len(command) >= 3)))
     server = None
     if warm:
-        key = (args[0], _import_time_env(env))
+        key = (command[0], _import_time_env(env))
         with _lock:
             if key in _servers:
                 server = _servers[key]
             elif key in _seen:
-                server = _servers[key] = _Server(args[0], env)
+                server = _servers[key] = _Server(command[0], env)
             else:
                 _seen.add(key)
     if server is None:
         return subprocess.Popen(args, env=env, cwd=cwd, stdout=stdout, stderr=stderr, text=text,
                                 stdin=subprocess.DEVNULL, start_new_session=start_new_session)
-    return WarmProcess(server, args, env, cwd, stdout, stderr, text, start_new_session)
+    return WarmProcess(server, command, env, cwd, stdout, stderr, text, start_new_session)
 
 
 @atexit.register
