@@ -14,14 +14,13 @@ forked child and numpy's global generator is reseeded here).
 
 :func:`popen` decides per command. A command runs warm only when it is ``python SCRIPT.py ...``,
 ``python -m MODULE ...`` or ``python -c CODE ...`` (any Python interpreter: a server runs under
-the command's own) or ``torchrun ...`` (the launcher; the workers it starts are fresh processes),
-and its environment matches the server's in everything a module might read when it is imported
-(only ``XLATRAIN_*`` and the keys in ``RUN_TIME_KEYS`` may differ; anything else, and the
-command starts a fresh process). A server starts at the second command with the same
-environment (one used once is not worth an import), one per pytest worker and environment.
-Tests of start-up itself (what ``import xlatrain`` loads, the start-up hook, the doctor's view of
-the environment, torchrun, the docs' commands) start fresh processes (``subprocess``), never this.
-``XLATRAIN_TEST_WARM=0`` turns it off.
+the command's own), and its environment matches the server's in everything a module might read
+when it is imported (only ``XLATRAIN_*`` and the keys in ``RUN_TIME_KEYS`` may differ; anything
+else, and the command starts a fresh process). A server starts at the second command with the
+same environment (one used once is not worth an import), one per pytest worker and environment.
+torchrun and the workers it starts are always fresh processes, and so are the tests of start-up
+itself (what ``import xlatrain`` loads, the start-up hook, the doctor's view of the environment)
+and of the harness's stack dumps (``warm=False``). ``XLATRAIN_TEST_WARM=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -302,10 +301,6 @@ def popen(args: list[str], env: dict[str, str], cwd=None, stdout=subprocess.PIPE
     server where it can be (see the module's docstring)."""
     args = [str(a) for a in args]
     command = args
-    if Path(args[0]).name == "torchrun" and (Path(args[0]).parent / "python").exists():
-        # torchrun is `python -m torch.distributed.run` (its console script calls that main()):
-        # the launcher can be warm; the workers it starts are fresh processes, as always.
-        command = [str(Path(args[0]).parent / "python"), "-m", "torch.distributed.run", *args[1:]]
     warm = (enabled() and len(command) >= 2 and Path(command[0]).name.startswith("python")
             and (command[1].endswith(".py") or (command[1] in ("-m", "-c") and len(command) >= 3)))
     server = None
