@@ -52,12 +52,15 @@ $(VENV_XLA)/.installed: requirements-xla.lock requirements-tools.lock pyproject.
 # most of its time is fresh processes importing torch and training tiny models on one core, so a
 # single worker left the other core idle (measured: CPU time = wall time over the whole part).
 # --dist loadscope keeps a module's tests on one worker, so a module-scoped fixture (a finished run
-# that several tests read) is still made once. TEST_WORKERS=0 runs them one after another. The
+# that several tests read) is still made once. The modules are handed out in the order they are
+# collected (--no-loadscope-reorder: not by how many tests each has), which puts the longest first
+# (tests/conftest.py, LONGEST_FIRST): by count, the docs' one-test module of 150-260 s ran last,
+# with the other worker idle meanwhile. TEST_WORKERS=0 runs them one after another. The
 # xla part runs in two workers as well: its tests are subprocesses that import torch_xla and
 # compile for XLA:CPU mostly on one core (measured: 34 tests in 8 min 2 s in one worker, 5 min
 # 31 s in two).
 TEST_WORKERS ?= 2
-XDIST := -n $(TEST_WORKERS) --dist loadscope
+XDIST := -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 test: test-current test-xla
 
 test-current: $(VENV)/.installed $(VENV)/.site-hook

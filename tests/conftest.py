@@ -80,8 +80,9 @@ def pytest_report_header(config: pytest.Config) -> str:
 
 
 # The modules that take longest (measured in make test: the docs' commands in one directory
-# 150-260 s, a module per worker under --dist loadscope) run first, so that the other worker
-# works through the short ones meanwhile instead of waiting at the end while one long module runs.
+# 150-260 s) run first: under the Makefile's --dist loadscope --no-loadscope-reorder a module runs
+# on one worker, in collection order, and the other worker works through the short ones meanwhile
+# instead of waiting at the end while one long module runs.
 LONGEST_FIRST = ["tests/test_docs_in_order.py", "tests/test_docs.py", "tests/train/test_fsdp.py",
                  "tests/train/test_resume.py", "tests/train/test_models_as_brought.py"]
 
