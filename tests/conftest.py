@@ -1,4 +1,5 @@
-"""Shared test helpers: run a script from tests/scripts in a fresh process and read its history.
+"""Shared test helpers: run a script from tests/scripts in a process of its own (forked from a warm
+interpreter where it can, see warm.py) and read its history.
 
 Two environments run the suite (see the Makefile): tests marked ``xla`` need torch_xla and run in
 ``.venv-xla``; the rest run in ``.venv`` on current torch. Each run says at the top and bottom
