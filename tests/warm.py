@@ -213,9 +213,6 @@ class WarmProcess:
             except ProcessLookupError:
                 pass
 
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
@@ -223,6 +220,12 @@ class WarmProcess:
     def communicate(self, input=None, timeout: float | None = None):
         assert input is None, "warm processes read /dev/null"
         deadline = None if timeout is None else time.monotonic() + timeout
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        def timed_out() -> subprocess.TimeoutExpired:  # with what was read so far, as Popen's has it
+            return subprocess.TimeoutExpired(self.args, timeout, *(self._so_far(i, bytes_=True) for i in (0, 1)))
         if not self._readers:
             for stream in (self.stdout, self.stderr):
                 chunks: list = []
@@ -233,13 +236,13 @@ class WarmProcess:
                 self._readers.append((stream, chunks, thread))
         for _, _, thread in self._readers:
             if thread is not None:
-                thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+                thread.join(left())
                 if thread.is_alive():
-                    raise subprocess.TimeoutExpired(self.args, timeout, *(self._so_far(i, bytes_=True) for i in (0, 1)))
+                    raise timed_out()
         try:
-            self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            self.wait(left())
         except subprocess.TimeoutExpired:
-            raise subprocess.TimeoutExpired(self.args, timeout, *(self._so_far(i, bytes_=True) for i in (0, 1))) from None
+            raise timed_out() from None
         return tuple(self._so_far(i) for i in (0, 1))
 
     def _so_far(self, i: int, bytes_: bool = False):
@@ -248,15 +251,6 @@ class WarmProcess:
             return None
         joined = ("" if isinstance(stream, io.TextIOBase) else b"").join(chunks)
         return joined.encode() if bytes_ and isinstance(joined, str) else joined
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        for stream in (self.stdout, self.stderr):
-            if stream is not None:
-                stream.close()
-        self.wait()
 
 
 def _drain(stream, chunks: list) -> None:
