@@ -138,3 +138,71 @@ def test_a_warm_script_is_a_process_of_its_own_with_its_arguments_environment_an
     assert isinstance(proc, WarmProcess) and proc.returncode == 1 and "ValueError: named" in err
     # An environment that differs in what an import may read starts a fresh process.
     assert type(popen([sys.executable, "-c", "pass"], {**env, "OMP_NUM_THREADS": "7"})) is subprocess.Popen
+
+
+WARM_WORKER = """
+import os, signal, sys, time
+rank = int(os.environ["RANK"])
+signal.signal(signal.SIGTERM, lambda *_: (print(f"rank {rank} got SIGTERM", flush=True), sys.exit(0)))
+print(f"rank {rank} pid {os.getpid()} torch {'torch' in sys.modules}", flush=True)
+if sys.argv[1] == "exit":
+    sys.exit(3 if rank == 1 else 0)
+time.sleep(120)
+"""
+
+
+def test_torchruns_workers_run_warm_exit_as_they_did_get_its_signals_and_die_with_their_stand_ins(tmp_path):
+    """tests/warm.py: torchrun starts its workers through a stand-in (PYTHON_EXEC) that has the
+    warm server fork them; what torchrun sees of a worker is the stand-in."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    import psutil
+
+    from conftest import script_env
+    from warm import popen
+
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    script = tmp_path / "worker.py"
+    script.write_text(WARM_WORKER)
+    # torchrun sets OMP_NUM_THREADS=1 where it is unset: a worker environment that differs from the
+    # server's in what an import reads, so set it here (as conftest does under pytest-xdist).
+    env = script_env({"WARM_TEST_RUN": f"{tmp_path}-torchrun", "OMP_NUM_THREADS": "1"})
+
+    def start(mode, env=env):
+        proc = popen([torchrun, "--nproc-per-node", "2", "--standalone", str(script), mode], env,
+                     stderr=subprocess.STDOUT)
+        ranks = {}
+        while len(ranks) < 2:
+            line = proc.stdout.readline()
+            assert line, f"torchrun ended before both workers started:\n{proc.communicate(timeout=30)[0]}"
+            if line.startswith("rank "):
+                rank, _, pid, _, preloaded = line.split()[1:]
+                ranks[int(rank)] = (int(pid), preloaded == "True")
+        return proc, ranks
+
+    # A worker's exit status is what torchrun reports; both were forked with torch imported.
+    proc, ranks = start("exit")
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and "exitcode  : 3" in out and "rank      : 1" in out, out
+    assert all(preloaded for _, preloaded in ranks.values()), ranks
+    # SIGTERM to torchrun reaches every worker (torchrun signals each stand-in's process group).
+    proc, ranks = start("wait")
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert "rank 0 got SIGTERM" in out and "rank 1 got SIGTERM" in out, out
+    # kill -9 of the stand-ins (torchrun's children): the workers end too.
+    proc, ranks = start("wait")
+    for child in psutil.Process(proc.pid).children():
+        child.kill()
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid, _ in ranks.values()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(pid) for pid, _ in ranks.values()), ranks
+    proc.communicate(timeout=120)
+    # A worker environment that differs in what an import reads runs the real interpreter.
+    fresh = {k: v for k, v in env.items() if k != "OMP_NUM_THREADS"}
+    proc, ranks = start("exit", fresh)
+    proc.communicate(timeout=120)
+    assert not any(preloaded for _, preloaded in ranks.values()), ranks

@@ -18,9 +18,18 @@ the command's own), and its environment matches the server's in everything a mod
 when it is imported (only ``XLATRAIN_*`` and the keys in ``RUN_TIME_KEYS`` may differ; anything
 else, and the command starts a fresh process). A server starts at the second command with the
 same environment (one used once is not worth an import), one per pytest worker and environment.
-torchrun and the workers it starts are always fresh processes, and so are the tests of start-up
-itself (what ``import xlatrain`` loads, the start-up hook, the doctor's view of the environment)
-and of the harness's stack dumps (``warm=False``). ``XLATRAIN_TEST_WARM=0`` turns it off.
+
+torchrun's launcher is a fresh process; the workers it starts run warm: torchrun starts each with
+``PYTHON_EXEC`` (its documented override of the workers' interpreter), here a stand-in that
+starts in milliseconds (``python -S -E``, the standard library only), asks the server to fork
+the worker with its arguments, environment, working directory and standard streams, in a session
+of its own (as torchrun starts a worker), and stands where torchrun sees it: every signal it gets
+goes on to the worker's process group, it exits as the worker did (with the same signal, for a
+worker a signal ended), and if it is killed (``kill -9``), the server kills the worker. Where the
+worker's environment differs from the server's in more than torchrun's variables, the stand-in
+runs the real interpreter in its place (``exec``). The tests of start-up itself (what
+``import xlatrain`` loads, the start-up hook, the doctor's view of the environment) and of the
+harness's stack dumps run fresh (``warm=False``). ``XLATRAIN_TEST_WARM=0`` turns it all off.
 """
 
 from __future__ import annotations
@@ -45,11 +54,21 @@ from pathlib import Path
 # Read by the scripts or xlatrain when they run, never when a preloaded module is imported.
 RUN_TIME_KEYS = {"PYTEST_CURRENT_TEST", "STORAGE_EMULATOR_HOST", "MASTER_ADDR", "MASTER_PORT", "RANK",
                  "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"}
+# What torchrun adds to a worker's environment (read when the process group starts), and the
+# variable that points it at the stand-in.
+TORCHRUN_KEYS = {"GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_NAME", "ROLE_RANK", "ROLE_WORLD_SIZE",
+                 "TORCH_NCCL_ASYNC_ERROR_HANDLING", "PYTHON_EXEC"}
 MAX_MESSAGE = 1 << 20
+# The signals a worker's stand-in passes on (SIGABRT: the harness's stack dumps).
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
+             signal.SIGABRT, signal.SIGCONT)
 
 
-def _import_time_env(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
-    return tuple(sorted((k, v) for k, v in env.items() if k not in RUN_TIME_KEYS and not k.startswith("XLATRAIN_")))
+def _import_time_env(env: dict[str, str], worker: bool = False) -> tuple[tuple[str, str], ...]:
+    def run_time(key: str) -> bool:
+        return (key in RUN_TIME_KEYS or key.startswith("XLATRAIN_")
+                or (worker and (key in TORCHRUN_KEYS or key.startswith("TORCHELASTIC_"))))
+    return tuple(sorted((k, v) for k, v in env.items() if not run_time(k)))
 
 
 # What the server imports. Not torch_xla (4-6 s more): xlatrain writes XLA:CPU settings into the
@@ -65,6 +84,7 @@ def _serve(path: str, modules: list[str]) -> int | None:
     server (which then exits), the child's code in a child (which runs it and exits with it)."""
     import importlib
 
+    start_env = dict(os.environ)  # what a worker's environment is compared with (before the imports)
     for name in modules:
         importlib.import_module(name)
     base_env = dict(os.environ)
@@ -74,14 +94,33 @@ def _serve(path: str, modules: list[str]) -> int | None:
     sys.stdout.write("ready\n")
     sys.stdout.flush()
     children: dict[int, socket.socket] = {}
+    stand_ins: dict[socket.socket, int] = {}  # a torchrun worker's stand-in's connection: the worker
     while True:
-        ready, _, _ = select.select([listener, sys.stdin], [], [], 0.01 if children else 0.5)
+        ready, _, _ = select.select([listener, sys.stdin, *stand_ins], [], [], 0.01 if children else 0.5)
         if sys.stdin in ready and not os.read(sys.stdin.fileno(), 1):
             return None  # the tests are done (or gone)
+        for conn in set(ready) & set(stand_ins):  # its stand-in is gone (killed): so is the worker
+            pid = stand_ins.pop(conn)
+            try:
+                gone = not conn.recv(64)
+            except OSError:
+                gone = True
+            if gone and pid in children:
+                _signal_group(pid, signal.SIGKILL)
         if listener in ready:
             conn, _ = listener.accept()
             message, fds, _, _ = socket.recv_fds(conn, MAX_MESSAGE, 3)
-            request = json.loads(message)
+            request = json.loads(message) if message else None  # none: whoever asked is gone (killed)
+            if request is None or (request.get("worker") and
+                                   _import_time_env(request["env"], True) != _import_time_env(start_env, True)):
+                for fd in fds:
+                    os.close(fd)
+                try:
+                    conn.send(b"fresh")
+                except OSError:
+                    pass
+                conn.close()
+                continue
             sys.stdout.flush()
             sys.stderr.flush()
             pid = os.fork()
@@ -91,14 +130,21 @@ def _serve(path: str, modules: list[str]) -> int | None:
                 return _child(request, fds, base_env)
             for fd in fds:
                 os.close(fd)
-            conn.send(f"{pid}".encode())
             children[pid] = conn
+            try:
+                conn.send(f"{pid}".encode())
+            except OSError:  # whoever asked is gone already (killed): so is its command
+                _signal_group(pid, signal.SIGKILL)
+                continue
+            if request.get("worker"):
+                stand_ins[conn] = pid
         while children:
             pid, status = os.waitpid(-1, os.WNOHANG)
             if pid == 0:
                 break
             conn = children.pop(pid, None)
             if conn is not None:
+                stand_ins.pop(conn, None)
                 try:
                     conn.send(f"{os.waitstatus_to_exitcode(status)}".encode())
                 except OSError:
@@ -124,6 +170,11 @@ def _child(request: dict, fds: list[int], base_env: dict[str, str]):
             env.pop(key, None)
     os.environ.clear()
     os.environ.update(env)
+    if request.get("unbuffered"):  # python -u, as torchrun starts its workers
+        for name, fd in (("stdout", 1), ("stderr", 2)):
+            old = getattr(sys, name)
+            setattr(sys, name, io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding=old.encoding,
+                                                errors=old.errors, write_through=True))
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
     argv = request["argv"][1:]
@@ -142,6 +193,52 @@ def _child(request: dict, fds: list[int], base_env: dict[str, str]):
         sys.path[0] = str(Path(argv[0]).resolve().parent)
         runpy.run_path(argv[0], run_name="__main__")
     return None
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    """Signal the process group of worker ``pid`` (the worker itself, before its ``setsid``)."""
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+# --- a torchrun worker's stand-in ------------------------------------------------------------------
+
+def _stand_in(path: str, python: str, args: list[str]) -> None:
+    """Run as a torchrun worker's interpreter (``PYTHON_EXEC``): have the server fork the worker,
+    pass it every signal, exit as it did. Runs the real interpreter where the server declines."""
+    rest = list(args)
+    unbuffered = bool(rest) and rest[0] == "-u"
+    if unbuffered:
+        rest.pop(0)
+    reply = b""
+    if rest and (rest[0].endswith(".py") or (rest[0] == "-m" and len(rest) >= 2)):
+        request = {"argv": [python, *rest], "env": dict(os.environ), "cwd": os.getcwd(), "new_session": True,
+                   "unbuffered": unbuffered, "worker": True}
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            conn.connect(path)
+            socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
+            reply = conn.recv(64)
+        except OSError:  # no server (the tests ended meanwhile)
+            reply = b""
+    if not reply.isdigit():
+        os.execv(python, [python, *args])
+    pid = int(reply)
+
+    for sig in FORWARDED:
+        signal.signal(sig, lambda sig, frame: _signal_group(pid, sig))
+    status = conn.recv(64)  # the worker's exit code (-N: signal N), once it ends
+    code = int(status) if status else -signal.SIGKILL
+    if code < 0:
+        for sig in FORWARDED:
+            signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code & 0xFF)
 
 
 # --- the client ----------------------------------------------------------------------------------
@@ -262,6 +359,11 @@ class _Server:
     def __init__(self, python: str, env: dict[str, str]):
         self.dir = tempfile.mkdtemp(prefix="xlatrain-warm-")
         self.path = os.path.join(self.dir, "socket")
+        # torchrun's workers' interpreter (PYTHON_EXEC): a stand-in that has this server fork them.
+        self.stand_in = os.path.join(self.dir, "python")
+        Path(self.stand_in).write_text(f'#!/bin/sh\nexec "{python}" -S -E "{__file__}" --stand-in "{self.path}" '
+                                       f'"{python}" "$@"\n')
+        os.chmod(self.stand_in, 0o755)
         self.proc = subprocess.Popen([python, __file__, self.path, *PRELOAD], env=env, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, cwd=self.dir)
         line = self.proc.stdout.readline()
@@ -295,18 +397,23 @@ def popen(args: list[str], env: dict[str, str], cwd=None, stdout=subprocess.PIPE
     server where it can be (see the module's docstring)."""
     args = [str(a) for a in args]
     command = args
+    torchrun = enabled() and Path(command[0]).name == "torchrun"
     warm = (enabled() and len(command) >= 2 and Path(command[0]).name.startswith("python")
             and (command[1].endswith(".py") or (command[1] in ("-m", "-c") and len(command) >= 3)))
     server = None
-    if warm:
-        key = (command[0], _import_time_env(env))
+    if warm or torchrun:
+        python = str(Path(command[0]).parent / "python") if torchrun else command[0]
+        key = (python, _import_time_env(env))
         with _lock:
             if key in _servers:
                 server = _servers[key]
-            elif key in _seen:
-                server = _servers[key] = _Server(command[0], env)
+            elif key in _seen or torchrun:  # a torchrun job starts several workers: worth a server
+                server = _servers[key] = _Server(python, env)
             else:
                 _seen.add(key)
+    if torchrun and server is not None:
+        env = {**env, "PYTHON_EXEC": server.stand_in}
+        server = None  # the launcher itself is a fresh process
     if server is None:
         return subprocess.Popen(args, env=env, cwd=cwd, stdout=stdout, stderr=stderr, text=text,
                                 stdin=subprocess.DEVNULL, start_new_session=start_new_session)
@@ -320,6 +427,8 @@ def _close_servers() -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1] == "--stand-in":
+        _stand_in(sys.argv[2], sys.argv[3], sys.argv[4:])
     outcome = _serve(sys.argv[1], sys.argv[2:])
     if outcome is not None:
         sys.exit(outcome)
