@@ -206,3 +206,21 @@ def test_torchruns_workers_run_warm_exit_as_they_did_get_its_signals_and_die_wit
     proc, ranks = start("exit", fresh)
     proc.communicate(timeout=120)
     assert not any(preloaded for _, preloaded in ranks.values()), ranks
+
+
+def test_the_bytecode_held_for_a_run_is_every_pyc_outside_other_environments_and_stays_mapped(tmp_path):
+    """tests/resident.py: what the main pytest process reads into memory and keeps mapped."""
+    from pathlib import Path
+
+    import resident
+
+    cached = tmp_path / "pkg" / "__pycache__"
+    cached.mkdir(parents=True)
+    (cached / "m.cpython-311.pyc").write_bytes(b"x" * 10000)
+    (cached / "m.py").write_text("")
+    (tmp_path / "site-packages").mkdir()  # under the standard library: another environment's
+    (tmp_path / "site-packages" / "other.pyc").write_bytes(b"y")
+    assert resident.bytecode([tmp_path]) == [str(cached / "m.cpython-311.pyc")]
+    assert resident._map(str(cached / "m.cpython-311.pyc")) == 10000
+    assert str(cached / "m.cpython-311.pyc") in Path("/proc/self/maps").read_text()  # still mapped
+    assert resident._map(str(tmp_path / "missing.pyc")) == 0
