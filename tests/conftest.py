@@ -82,11 +82,14 @@ _resident: tuple[int, int, float] | None = None
 
 def pytest_configure(config: pytest.Config) -> None:
     """In the main process, before any test module is collected (and before pytest-xdist starts its
-    workers): the environment's bytecode read into memory and held there (see resident.py)."""
+    workers): the environment's bytecode read into memory and held there, and the tests' temporary
+    directories put in memory where the machine has room (see resident.py)."""
     global _resident
     if resident.enabled() and not os.environ.get("PYTEST_XDIST_WORKER"):
         started = time.perf_counter()
         _resident = (*resident.hold(Path(__file__).resolve().parents[1]), time.perf_counter() - started)
+        if "PYTEST_DEBUG_TEMPROOT" not in os.environ and (root := resident.memory_temp_root()):
+            os.environ["PYTEST_DEBUG_TEMPROOT"] = str(root)  # read when the first tmp_path is made
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -94,6 +97,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     if _resident:
         files, size, took = _resident
         lines.append(f"held in memory for the run: {files} bytecode files, {size / 1e6:.0f} MB (read in {took:.1f} s)")
+    if os.environ.get("PYTEST_DEBUG_TEMPROOT"):
+        lines.append(f"tests' temporary directories under {os.environ['PYTEST_DEBUG_TEMPROOT']}")
     return lines
 
 

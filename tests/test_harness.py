@@ -144,9 +144,9 @@ WARM_WORKER = """
 import os, signal, sys, time
 rank = int(os.environ["RANK"])
 signal.signal(signal.SIGTERM, lambda *_: (print(f"rank {rank} got SIGTERM", flush=True), sys.exit(0)))
-print(f"rank {rank} pid {os.getpid()} torch {'torch' in sys.modules}", flush=True)
-if sys.argv[1] == "exit":
-    sys.exit(3 if rank == 1 else 0)
+print(f"rank {rank} pid {os.getpid()} torch {'torch' in sys.modules} {os.environ.get('PYTHON_EXEC')}", flush=True)
+if sys.argv[1] == "exit" and rank == 1:
+    sys.exit(3)
 time.sleep(120)
 """
 
@@ -170,42 +170,39 @@ def test_torchruns_workers_run_warm_exit_as_they_did_get_its_signals_and_die_wit
     # server's in what an import reads, so set it here (as conftest does under pytest-xdist).
     env = script_env({"WARM_TEST_RUN": f"{tmp_path}-torchrun", "OMP_NUM_THREADS": "1"})
 
-    def start(mode, env=env):
+    def start(mode):
         proc = popen([torchrun, "--nproc-per-node", "2", "--standalone", str(script), mode], env,
                      stderr=subprocess.STDOUT)
         ranks = {}
         while len(ranks) < 2:
             line = proc.stdout.readline()
             assert line, f"torchrun ended before both workers started:\n{proc.communicate(timeout=30)[0]}"
-            if line.startswith("rank "):
-                rank, _, pid, _, preloaded = line.split()[1:]
-                ranks[int(rank)] = (int(pid), preloaded == "True")
+            if line.startswith("rank ") and " pid " in line:
+                rank, _, pid, _, preloaded, stand_in = line.split()[1:]
+                ranks[int(rank)] = (int(pid), preloaded == "True", stand_in)
         return proc, ranks
 
-    # A worker's exit status is what torchrun reports; both were forked with torch imported.
+    # Rank 1 exits 3: torchrun reports that status and stops rank 0 with SIGTERM (signalling its
+    # stand-in's process group), which reaches the worker. Both were forked with torch imported.
     proc, ranks = start("exit")
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 1 and "exitcode  : 3" in out and "rank      : 1" in out, out
-    assert all(preloaded for _, preloaded in ranks.values()), ranks
-    # SIGTERM to torchrun reaches every worker (torchrun signals each stand-in's process group).
-    proc, ranks = start("wait")
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=120)
-    assert "rank 0 got SIGTERM" in out and "rank 1 got SIGTERM" in out, out
+    assert "rank 0 got SIGTERM" in out, out
+    assert all(preloaded for _, preloaded, _ in ranks.values()), ranks
     # kill -9 of the stand-ins (torchrun's children): the workers end too.
     proc, ranks = start("wait")
     for child in psutil.Process(proc.pid).children():
         child.kill()
     deadline = time.monotonic() + 10
-    while any(alive(pid) for pid, _ in ranks.values()) and time.monotonic() < deadline:
+    while any(alive(pid) for pid, _, _ in ranks.values()) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not any(alive(pid) for pid, _ in ranks.values()), ranks
+    assert not any(alive(pid) for pid, _, _ in ranks.values()), ranks
     proc.communicate(timeout=120)
-    # A worker environment that differs in what an import reads runs the real interpreter.
-    fresh = {k: v for k, v in env.items() if k != "OMP_NUM_THREADS"}
-    proc, ranks = start("exit", fresh)
-    proc.communicate(timeout=120)
-    assert not any(preloaded for _, preloaded in ranks.values()), ranks
+    # A worker environment that differs in what an import reads: the stand-in runs the real interpreter.
+    stand_in = ranks[0][2]
+    fresh = subprocess.run([stand_in, "-u", str(script), "exit"], env={**env, "RANK": "1", "OMP_NUM_THREADS": "2"},
+                           capture_output=True, text=True, timeout=120)
+    assert fresh.returncode == 3 and " torch False " in fresh.stdout, fresh
 
 
 def test_the_bytecode_held_for_a_run_is_every_pyc_outside_other_environments_and_stays_mapped(tmp_path):
@@ -224,3 +221,17 @@ def test_the_bytecode_held_for_a_run_is_every_pyc_outside_other_environments_and
     assert resident._map(str(cached / "m.cpython-311.pyc")) == 10000
     assert str(cached / "m.cpython-311.pyc") in Path("/proc/self/maps").read_text()  # still mapped
     assert resident._map(str(tmp_path / "missing.pyc")) == 0
+
+
+def test_the_tests_temporary_directories_are_in_memory_where_the_machine_has_room(tmp_path):
+    from pathlib import Path
+
+    import resident
+
+    root = resident.memory_temp_root()
+    if root is None or not resident.enabled():
+        pytest.skip("no /dev/shm with room for the tests' files here: they stay in the system's temporary directory")
+    assert tmp_path.is_relative_to(root), (tmp_path, root)
+    mounts = [line.split() for line in Path("/proc/mounts").read_text().splitlines()]
+    fs = max((m for m in mounts if root.is_relative_to(m[1])), key=lambda m: len(m[1]))
+    assert fs[2] == "tmpfs", fs
