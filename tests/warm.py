@@ -21,7 +21,7 @@ same environment (one used once is not worth an import), one per pytest worker a
 
 torchrun's launcher is a fresh process; the workers it starts run warm: torchrun starts each with
 ``PYTHON_EXEC`` (its documented override of the workers' interpreter), here a stand-in that
-starts in milliseconds (``python -S -E``, the standard library only), asks the server to fork
+starts in about 30 ms (``python -S -E``, the standard library only), asks the server to fork
 the worker with its arguments, environment, working directory and standard streams, in a session
 of its own (as torchrun starts a worker), and stands where torchrun sees it: every signal it gets
 goes on to the worker's process group, it exits as the worker did (with the same signal, for a
