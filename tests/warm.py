@@ -84,7 +84,7 @@ def _serve(path: str, modules: list[str]) -> int | None:
     server (which then exits), the child's code in a child (which runs it and exits with it)."""
     import importlib
 
-    start_env = dict(os.environ)  # what a worker's environment is compared with (before the imports)
+    worker_key = _import_time_env(dict(os.environ), True)  # a worker's must match (before the imports)
     for name in modules:
         importlib.import_module(name)
     base_env = dict(os.environ)
@@ -112,7 +112,7 @@ def _serve(path: str, modules: list[str]) -> int | None:
             message, fds, _, _ = socket.recv_fds(conn, MAX_MESSAGE, 3)
             request = json.loads(message) if message else None  # none: whoever asked is gone (killed)
             if request is None or (request.get("worker") and
-                                   _import_time_env(request["env"], True) != _import_time_env(start_env, True)):
+                                   _import_time_env(request["env"], True) != worker_key):
                 for fd in fds:
                     os.close(fd)
                 try:
@@ -396,13 +396,12 @@ def popen(args: list[str], env: dict[str, str], cwd=None, stdout=subprocess.PIPE
     """``subprocess.Popen(args, ...)`` (stdin from /dev/null), or the same command forked from a warm
     server where it can be (see the module's docstring)."""
     args = [str(a) for a in args]
-    command = args
-    torchrun = enabled() and Path(command[0]).name == "torchrun"
-    warm = (enabled() and len(command) >= 2 and Path(command[0]).name.startswith("python")
-            and (command[1].endswith(".py") or (command[1] in ("-m", "-c") and len(command) >= 3)))
+    torchrun = enabled() and Path(args[0]).name == "torchrun"
+    warm = (enabled() and len(args) >= 2 and Path(args[0]).name.startswith("python")
+            and (args[1].endswith(".py") or (args[1] in ("-m", "-c") and len(args) >= 3)))
     server = None
     if warm or torchrun:
-        python = str(Path(command[0]).parent / "python") if torchrun else command[0]
+        python = str(Path(args[0]).parent / "python") if torchrun else args[0]
         key = (python, _import_time_env(env))
         with _lock:
             if key in _servers:
@@ -417,7 +416,7 @@ def popen(args: list[str], env: dict[str, str], cwd=None, stdout=subprocess.PIPE
     if server is None:
         return subprocess.Popen(args, env=env, cwd=cwd, stdout=stdout, stderr=stderr, text=text,
                                 stdin=subprocess.DEVNULL, start_new_session=start_new_session)
-    return WarmProcess(server, command, env, cwd, stdout, stderr, text, start_new_session)
+    return WarmProcess(server, args, env, cwd, stdout, stderr, text, start_new_session)
 
 
 @atexit.register
