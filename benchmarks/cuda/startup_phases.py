@@ -1,0 +1,66 @@
+"""Start-up on CUDA, phase by phase: the `startup` benchmark's Trainer side with a timer around each
+piece of work before the first optimizer step (the device synchronized at each boundary, so a
+phase is charged for the kernels it queued), beside the hand loop's model build, optimizer and
+first step. Run from the repository root: ``python benchmarks/cuda/startup_phases.py``
+(``DIAG_DEV=cpu`` on the CPU). Prints one JSON line per start: phase -> milliseconds.
+"""
+import functools, json, os, sys, tempfile, time
+sys.path.insert(0, os.getcwd()); sys.path.insert(0, os.path.join(os.getcwd(), "src"))
+from benchmarks import startup as s
+from benchmarks.gpu_common import sync
+from xlatrain.train import preflight, perf, feed as feed_mod, run_dir, resumable, trainer as trainer_mod
+from xlatrain.backend import model_state
+
+dev = os.environ.get("DIAG_DEV", "cuda")
+spent: dict[str, float] = {}
+depth = [0]
+
+
+def timed(owner, name, label=None):
+    original = getattr(owner, name)
+    label = label or f"{getattr(owner, '__name__', owner)}.{name}"
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        sync(dev)
+        started = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            sync(dev)
+            spent[label] = spent.get(label, 0.0) + time.perf_counter() - started
+    setattr(owner, name, wrapper)
+
+
+for owner, name in [
+    (trainer_mod.Trainer, "__init__"), (trainer_mod.Trainer, "_start"), (trainer_mod.Trainer, "_run_observers"),
+    (trainer_mod.Trainer, "_epoch_start"), (trainer_mod.Trainer, "_train_step"),
+    (run_dir.RunDirectory, "open"), (run_dir.RunDirectory, "write_status"), (run_dir.RunDirectory, "clear_earlier_run"),
+    (feed_mod.TrainFeed, "__init__"), (preflight, "prepare"), (preflight, "_training_batch"), (preflight, "plan"),
+    (preflight, "_measured_step"), (perf, "profile_step"), (model_state, "planned_state_bytes"), (resumable, "resume"),
+]:
+    timed(owner, name)
+real_model = s._model
+
+
+def built_model():
+    sync(dev)
+    t = time.perf_counter()
+    m = real_model()
+    spent["build model"] = spent.get("build model", 0.0) + time.perf_counter() - t
+    return m
+
+
+s._model = built_model
+data = s._data()
+with tempfile.TemporaryDirectory() as tmp:
+    s._hand(data, dev), s._trainer(data, f"{tmp}/w", dev)
+    for r in range(3):
+        spent.clear()
+        t = s._trainer(data, f"{tmp}/{r}", dev)
+        trainer_phases = {k: round(1e3 * v, 1) for k, v in spent.items()}
+        spent.clear()
+        hand_s, step_s = s._hand(data, dev)
+        print("start", json.dumps({"trainer_ms": round(1e3 * t, 1), "hand_ms": round(1e3 * hand_s, 1),
+                                   "step_ms": round(1e3 * step_s, 2), "trainer": trainer_phases,
+                                   "hand_model_build_ms": round(1e3 * spent.get("build model", 0), 1)}), flush=True)
