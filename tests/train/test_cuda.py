@@ -43,6 +43,27 @@ def test_a_conv_net_under_bf16_trains_channels_last_with_fused_adamw_and_a_measu
     assert peak is not None and abs(plan.total / peak - 1) <= 0.5, (plan.total, peak)
 
 
+def test_the_dry_run_is_the_measured_forward_and_backward_at_the_real_batch(tmp_path):
+    # On CUDA one pass before the first step serves the dry run, the FLOP count, the activations
+    # and the memory measurement: two forwards (that one, then the first step's), both of 32 rows.
+    model = _conv_net()
+    rows: list[int] = []
+    model.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[0]))
+    trainer = xlatrain.Trainer(
+        model, nn.CrossEntropyLoss(), functools.partial(torch.optim.AdamW, lr=1e-3),
+        config=xlatrain.TrainConfig(epochs=1, batch_size=32, precision="bf16", run_dir=str(tmp_path)), accelerator="cuda",
+    )
+    at_first_step: list[list[int]] = []
+    trainer.optimizer.register_step_post_hook(lambda *_: at_first_step or at_first_step.append(list(rows)))
+    trainer.fit(_data(64))
+    assert at_first_step == [[32, 32]]
+    first = trainer.memory_plan
+    assert first.measured_step > 0 and trainer.throughput.flops_per_sample > 0
+    # A second fit measures with the optimizer's state on the device: it is counted once.
+    trainer.fit(_data(64), resume="overwrite")
+    assert abs(trainer.memory_plan.total / first.total - 1) < 0.05, (trainer.memory_plan.total, first.total)
+
+
 def test_a_factory_that_says_fused_false_keeps_it_and_fp32_stays_contiguous(tmp_path):
     trainer = xlatrain.Trainer(
         _conv_net(), nn.CrossEntropyLoss(), functools.partial(torch.optim.AdamW, lr=1e-3, fused=False),

@@ -62,6 +62,51 @@ def test_activations_and_flops_are_what_autograd_keeps_and_computes_for_each_sam
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
+def test_a_measured_profile_is_one_forward_and_backward_at_the_whole_batch():
+    # Where a runtime measures a step's memory (CUDA's step_memory), the profile is one pass at
+    # the real batch inside that measurement: the same activations and FLOPs per sample as the
+    # two small passes give, and the runtime's figure as step_peak (None: it did not fit).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    data = _regression(32)
+    rows, passes = [], []
+
+    def loss_of(n):
+        rows.append(n)
+        return _mse(model, data, n)
+
+    def step_memory(step):  # the runtime's measurement around the pass; here, what ran inside it
+        before = len(rows)
+        step()
+        passes.append(rows[before:])
+        return 12345
+
+    profile = perf.profile_step(model, [], "cpu", loss_of, samples=32, count=True, measure=step_memory)
+    assert rows == [32] and passes == [[32]]  # one forward, inside the measurement
+    assert profile.step_peak == 12345 and profile.rows == 32
+    assert profile.activations.at(32) == 32 * 128 and profile.activations.at(64) == 64 * 128
+    assert profile.flops_per_sample == 2 * (8 * 16 + 16 * 4) + 2 * 8 * 16 + 2 * (2 * 16 * 4)
+    assert all(p.grad is None for p in model.parameters())  # its backward ran; the gradients are dropped
+    assert perf.profile_step(model, [], "cpu", loss_of, samples=32, count=False,
+                             measure=lambda step: (step(), None)[1]).step_peak is None
+
+
+def test_the_state_an_optimizer_already_holds_is_counted_once_per_tensor_on_its_device():
+    # A second fit's measured pass holds the optimizer's state from the first: the plan takes it
+    # out of the measurement and adds it once, as the optimizer holds it.
+    from xlatrain.train.preflight import held_state_bytes
+
+    model = nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    assert held_state_bytes(opt, torch.device("cpu")) == 0
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    steps = sum(s["step"].numel() * s["step"].element_size() for s in opt.state.values())
+    assert held_state_bytes(opt, torch.device("cpu")) == 2 * weights + steps
+    assert held_state_bytes(opt, torch.device("meta")) == 0  # another device's tensors are not this one's
+
+
 def test_the_measured_step_runs_as_training_runs_and_leaves_statistics_and_random_state_alone():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Dropout(0.5), nn.Linear(16, 4)).eval()

@@ -42,6 +42,8 @@ class Runtime(Protocol):
     # float16 autocast with torch.amp.GradScaler runs here (CUDA, CPU); TPUs compute in bfloat16.
     fp16: bool
     pin_memory: bool  # host batches pinned for asynchronous copies
+    # step_memory measures (CUDA): the dry run then runs once, at the real batch, and is measured.
+    measures_step_memory: bool
     planned_reads: int  # host reads made so far through defer/read (diagnostics count the others)
     # The runtime's compile/transfer counters for diagnostics (torch_xla's metrics), or None.
     evidence: Any

@@ -54,6 +54,7 @@ class NativeRuntime:
         self.autocast_device = device_type
         self.fp16 = device_type in ("cuda", "cpu")
         self.pin_memory = device_type == "cuda"
+        self.measures_step_memory = device_type == "cuda"
         self.planned_reads = 0
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         if device_type == "cuda":

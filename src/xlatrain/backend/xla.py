@@ -161,6 +161,7 @@ class XlaRuntime:
     autocast_device = "xla"
     fp16 = False
     pin_memory = False
+    measures_step_memory = False
 
     def notes(self, compiled: bool) -> list[str]:
         return []  # float32 stays float32 on torch_xla unless XLA_USE_BF16 (the doctor names it)

@@ -5,7 +5,8 @@ Memory (:class:`MemoryPlan`), per device: parameters, gradients and optimizer st
 holds them (from the real tensors; the optimizer's state from one step of it on meta tensors,
 :meth:`~xlatrain.backend.base.Strategy.planned_state_bytes`); the activations a training step keeps
 for its backward pass, measured: the bytes autograd saves during a forward pass of 2 and of 4
-samples of the training data, extended to the batch (:func:`profile_step`); under FSDP, the
+samples of the training data, extended to the batch (:func:`profile_step`; on CUDA one measured
+forward and backward pass at the real batch instead); under FSDP, the
 weights gathered for compute. Their sum is a lower bound of the step's peak (the runtime's
 temporaries, gradients of activations and allocator slack come on top): a sum above the device's
 capacity cannot fit, and the run is refused before its first step with the changes that would fit.
@@ -197,6 +198,8 @@ class StepProfile:
     activations: Activations
     flops_per_sample: float | None  # counted over forward and backward; None where not counted
     rows: int  # samples the FLOPs were counted on
+    # With ``measure``: the device's peak bytes over the pass (None: it did not fit).
+    step_peak: int | None = None
 
 
 PROFILE_SAMPLES = 4  # the most samples a measurement runs on (batch norm needs 2 or more)
@@ -205,6 +208,7 @@ PROFILE_SAMPLES = 4  # the most samples a measurement runs on (batch norm needs 
 def profile_step(
     model: torch.nn.Module, units: Sequence[torch.nn.Module], device_type: str,
     loss_of: Callable[[int], torch.Tensor], samples: int, count: bool,
+    measure: Callable[[Callable[[], None]], int | None] | None = None,
 ) -> StepProfile:
     """Measure one training step of ``model`` without taking it.
 
@@ -215,13 +219,17 @@ def profile_step(
     statistics) on copies of its buffers (batch norm's running statistics stay as they were), and
     every gradient made is dropped again, so the run's numbers are what they would be without
     this (the caller puts random state back).
+
+    With ``measure`` (a runtime's ``step_memory``), one forward and backward pass on all
+    ``samples`` (the real batch) serves everything: activations counted, FLOPs counted, and the
+    device's peak over it measured (``step_peak``; None where it did not fit).
     """
     from xlatrain.backend.units import without_checkpointing
 
-    large = min(samples, PROFILE_SAMPLES)
-    small = max(large // 2, 1)
+    large = samples if measure is not None else min(samples, PROFILE_SAMPLES)
+    small = large if measure is not None else max(large // 2, 1)
     saved = {}
-    flops = None
+    flops = peak = None
     had_grads = {p: p.grad for p in model.parameters()}
     was_training = model.training
     # The step updates copies of the buffers: the model's own are never written, so no device
@@ -234,13 +242,23 @@ def profile_step(
         with without_checkpointing(units), torch.enable_grad():
             for n in sorted({small, large}):
                 counter = _SavedTensors(model, units, device_type)
-                if count and n == large:
+                if (count or measure is not None) and n == large:
                     def step() -> None:
+                        nonlocal flops
+                        if count:
+                            flops = count_flops(backward)
+                        else:
+                            backward()
+
+                    def backward() -> None:
                         with counter.counting():
                             loss = loss_of(n)
                         if loss.requires_grad:
                             loss.backward()
-                    flops = count_flops(step)
+                    if measure is None:
+                        step()
+                    else:
+                        peak = measure(step)
                 else:
                     with counter.counting():
                         loss_of(n)
@@ -264,7 +282,7 @@ def profile_step(
         largest_unit=sized(lambda c: max(c.inside, default=0)),
         units=len(units),
     )
-    return StepProfile(activations, flops / large if flops else None, large)
+    return StepProfile(activations, flops / large if flops else None, large, step_peak=peak)
 
 
 # --- the plan, and the refusal --------------------------------------------------------------

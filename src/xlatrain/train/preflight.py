@@ -117,9 +117,21 @@ def _training_batch(trainer: Trainer, train_data: Any) -> tuple[perf.StepProfile
             return loss
         return run
 
+    def profile(measure: Any = None) -> perf.StepProfile:
+        return perf.profile_step(module, st.unit_modules, rt.device.type, loss_of(trainer.precision, True),
+                                 trainer.config.batch_size if measure else samples, count=flops is None, measure=measure)
+
+    measures = _measures(trainer, train_data)
     try:
-        profile = perf.profile_step(module, st.unit_modules, rt.device.type, loss_of(trainer.precision, True), samples,
-                                    count=flops is None)
+        if measures:
+            # One forward and backward at the real batch is the dry run, the FLOP count, the
+            # activations and the measured memory (the device's own peak) at once; where it does
+            # not fit, the estimate on a few samples decides, with its refusal.
+            step = profile(rt.step_memory)
+            if step.step_peak is None:
+                step = profile()
+        else:
+            step = profile()
     except ValueError as exc:
         raise ValueError(f"a dry run on one training batch, before training: {exc}") from None
     except Exception as exc:  # the user's model or loss failed: keep its own error, say where
@@ -128,16 +140,28 @@ def _training_batch(trainer: Trainer, train_data: Any) -> tuple[perf.StepProfile
                 exc.add_note(hint)
             exc.add_note(
                 f"xlatrain: raised in a dry run on one training batch, before training: {_who(trainer)}, batch "
-                f"{shapes(batch)} (a forward pass in train mode with gradients{'' if flops else ' and its backward'}, "
+                f"{shapes(batch)} (a forward pass in train mode with gradients"
+                f"{'' if flops and not measures else ' and its backward'}, "
                 "as the step runs it)"
             )
         raise
     if flops is None:
-        flops = profile.flops_per_sample
+        flops = step.flops_per_sample
         flops_source = "torch's FLOP counter, one forward and backward pass" if flops else \
             "torch's FLOP counter found no matmul or convolution in the step"
     trainer._loss_of = loss_of  # the memory plan's bf16 measurement reuses it
-    return profile, flops, flops_source, tokens
+    return step, flops, flops_source, tokens
+
+
+def _measures(trainer: Trainer, train_data: Any) -> bool:
+    """The dry run is one measured pass at the real batch: where the runtime measures a step's
+    memory (CUDA), the set holds a batch, no unit recomputes its activations (the profile counts
+    them all, which a checkpointed step does not keep), and the model's forward is no collective
+    (FSDP gathers weights: a pass that runs out of memory in one process must not be followed by
+    a pass the others do not run)."""
+    st = trainer.strategy
+    return (trainer.runtime.measures_step_memory and len(train_data) >= trainer.config.batch_size
+            and not st.activation_checkpointing and not st.sharded_state)
 
 
 def _validation_batch(trainer: Trainer, val_data: Any) -> None:
@@ -243,7 +267,12 @@ def plan(trainer: Trainer, train_data: Any, profile: perf.StepProfile, flops: fl
         capacity=capacity[0] if capacity else None,
         capacity_source=capacity[1] if capacity else "the runtime reports no capacity",
     )
-    memory.measured_step = _measured_step(trainer, train_data, module)
+    measured = profile.step_peak if _measures(trainer, train_data) else _measured_step(trainer, train_data, module)
+    if measured is not None:
+        # A Trainer fitted before holds its optimizer's state already: the measured pass counted
+        # it, and the plan adds the state (as the optimizer holds it) once.
+        measured -= held_state_bytes(trainer.optimizer, rt.device)
+    memory.measured_step = measured
     if not st.any_process(memory.fits is False):
         if memory.capacity is not None and memory.total > perf.HEADROOM * memory.capacity:
             trainer._say(
@@ -301,6 +330,13 @@ def _measured_step(trainer: Trainer, train_data: Any, module: torch.nn.Module) -
             m._buffers[n] = b
         rt.set_rng_state(rng)
         set_host_rng_state(host_rng)
+
+
+def held_state_bytes(optimizer: torch.optim.Optimizer, device: torch.device) -> int:
+    """Bytes of ``optimizer``'s state that exist on ``device`` now (each tensor once)."""
+    tensors = {id(v): v for state in optimizer.state.values() for v in state.values()
+               if isinstance(v, torch.Tensor) and v.device == device}
+    return sum(v.numel() * v.element_size() for v in tensors.values())
 
 
 def check_monitor(trainer: Trainer, val_data: Any | None) -> None:
