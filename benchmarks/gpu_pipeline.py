@@ -49,12 +49,14 @@ def _recipe(root: str, overrides: list[str], accelerator: str) -> tuple[Any, Any
 
 def _resident(trainer: Any, device: str, steps: int) -> float:
     """Images/s of the recipe's network on one batch that stays on the device: same precision and
-    memory format, the recipe's loss and a fresh Adam, in training mode as the recipe trains (a fit
+    memory format, the recipe's loss and a fresh Adam built as the Trainer built its own (fused where
+    that one is: the comparison is of the feed, not the optimizer), in training mode as the recipe trains (a fit
     ends with validation, in eval mode: batch norm's running statistics and no rotation are another
     step than the recipe's)."""
     model = trainer.strategy.unwrap(trainer.model)
     model.train()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    fused = bool(trainer.optimizer.defaults.get("fused"))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4, **({"fused": True} if fused else {}))
     batch = trainer.config.batch_size
     images = torch.randint(0, 255, (batch, 1, *trainer._feed.dataset.image_size), dtype=torch.uint8, device=device)
     if trainer.channels_last:
