@@ -64,7 +64,7 @@ def test_a_second_fit_counts_the_optimizer_state_it_already_holds_once(tmp_path)
     # Eight 1024x1024 layers at batch 8: AdamW's state (67 MB) is a large part of the plan, so
     # counting it twice (in the measured pass, where the first fit left it, and again as state)
     # would show.
-    from xlatrain.train.preflight import held_state_bytes
+    from xlatrain.backend.model_state import optimizer_state_bytes
 
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)])
@@ -77,7 +77,7 @@ def test_a_second_fit_counts_the_optimizer_state_it_already_holds_once(tmp_path)
     trainer.fit(data)
     first = trainer.memory_plan.total
     trainer.fit(data, resume="overwrite")
-    state = held_state_bytes(trainer.optimizer, trainer.runtime.device)
+    state = optimizer_state_bytes(trainer.optimizer, trainer.runtime.device)
     assert state > 0.2 * first  # cuBLAS workspaces are in the plan too
     assert abs(trainer.memory_plan.total / first - 1) < 0.15, (first, trainer.memory_plan.total, state)
 

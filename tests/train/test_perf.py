@@ -94,17 +94,17 @@ def test_a_measured_profile_is_one_forward_and_backward_at_the_whole_batch():
 def test_the_state_an_optimizer_already_holds_is_counted_once_per_tensor_on_its_device():
     # A second fit's measured pass holds the optimizer's state from the first: the plan takes it
     # out of the measurement and adds it once, as the optimizer holds it.
-    from xlatrain.train.preflight import held_state_bytes
+    from xlatrain.backend.model_state import optimizer_state_bytes
 
     model = nn.Linear(8, 4)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    assert held_state_bytes(opt, torch.device("cpu")) == 0
+    assert optimizer_state_bytes(opt, torch.device("cpu")) == 0
     model(torch.randn(2, 8)).sum().backward()
     opt.step()
     weights = sum(p.numel() * 4 for p in model.parameters())
     steps = sum(s["step"].numel() * s["step"].element_size() for s in opt.state.values())
-    assert held_state_bytes(opt, torch.device("cpu")) == 2 * weights + steps
-    assert held_state_bytes(opt, torch.device("meta")) == 0  # another device's tensors are not this one's
+    assert optimizer_state_bytes(opt, torch.device("cpu")) == 2 * weights + steps
+    assert optimizer_state_bytes(opt, torch.device("meta")) == 0  # another device's tensors are not this one's
 
 
 def test_the_measured_step_runs_as_training_runs_and_leaves_statistics_and_random_state_alone():

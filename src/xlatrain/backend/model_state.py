@@ -148,13 +148,15 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None)
         "optimizer": 0,
     }
     if optimizer is not None:
-        seen: set[int] = set()
-        for st in optimizer.state.values():
-            for v in st.values():
-                if isinstance(v, torch.Tensor) and id(v) not in seen:
-                    seen.add(id(v))
-                    out["optimizer"] += local(v).numel() * v.element_size()
+        out["optimizer"] = optimizer_state_bytes(optimizer)
     return out
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer, device: torch.device | None = None) -> int:
+    """Bytes of the state ``optimizer`` holds now, this process's shards, each tensor once; with
+    ``device``, only what lives there (torch's default Adam keeps its step counts on the host)."""
+    held = {id(v): local(v) for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)}
+    return sum(t.numel() * t.element_size() for t in held.values() if device is None or t.device == device)
 
 
 # Tensors of optimizer state per parameter, of the parameter's size, for optimizers whose state

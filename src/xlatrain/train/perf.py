@@ -243,18 +243,18 @@ def profile_step(
             for n in sorted({small, large}):
                 counter = _SavedTensors(model, units, device_type)
                 if (count or measure is not None) and n == large:
+                    def backward() -> None:
+                        with counter.counting():
+                            loss = loss_of(n)
+                        if loss.requires_grad:
+                            loss.backward()
+
                     def step() -> None:
                         nonlocal flops
                         if count:
                             flops = count_flops(backward)
                         else:
                             backward()
-
-                    def backward() -> None:
-                        with counter.counting():
-                            loss = loss_of(n)
-                        if loss.requires_grad:
-                            loss.backward()
                     if measure is None:
                         step()
                     else:

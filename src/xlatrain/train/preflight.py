@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from xlatrain.backend.base import host_rng_state, set_host_rng_state
-from xlatrain.backend.model_state import weight_bytes
+from xlatrain.backend.model_state import optimizer_state_bytes, weight_bytes
 from xlatrain.backend.precision import Precision
 from xlatrain.train import perf
 from xlatrain.train.batch import tree_map
@@ -271,7 +271,7 @@ def plan(trainer: Trainer, train_data: Any, profile: perf.StepProfile, flops: fl
     if measured is not None:
         # A Trainer fitted before holds its optimizer's state already: the measured pass counted
         # it, and the plan adds the state (as the optimizer holds it) once.
-        measured -= held_state_bytes(trainer.optimizer, rt.device)
+        measured -= optimizer_state_bytes(trainer.optimizer, rt.device)
     memory.measured_step = measured
     if not st.any_process(memory.fits is False):
         if memory.capacity is not None and memory.total > perf.HEADROOM * memory.capacity:
@@ -330,13 +330,6 @@ def _measured_step(trainer: Trainer, train_data: Any, module: torch.nn.Module) -
             m._buffers[n] = b
         rt.set_rng_state(rng)
         set_host_rng_state(host_rng)
-
-
-def held_state_bytes(optimizer: torch.optim.Optimizer, device: torch.device) -> int:
-    """Bytes of ``optimizer``'s state that exist on ``device`` now (each tensor once)."""
-    tensors = {id(v): v for state in optimizer.state.values() for v in state.values()
-               if isinstance(v, torch.Tensor) and v.device == device}
-    return sum(v.numel() * v.element_size() for v in tensors.values())
 
 
 def check_monitor(trainer: Trainer, val_data: Any | None) -> None:
