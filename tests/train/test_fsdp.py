@@ -157,7 +157,7 @@ def _plan_matches_the_real_state(memory):
         # Made before the first step (no gradient, no optimizer state yet), equal to the bytes of
         # the tensors that exist once a step has run.
         assert {k: plan[k] for k in real} == real, process
-        assert plan["optimizer_source"] == "one step of SGD on meta tensors"
+        assert plan["optimizer_source"] == "SGD's state per parameter"
 
 
 @pytest.mark.multiprocess

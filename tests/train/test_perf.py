@@ -202,7 +202,7 @@ def test_in_one_process_the_plan_equals_the_real_state_and_throughput_is_reporte
         # 6 steps: the progress line at step 2 is the warm-up's (no rate), the one at step 4 has rates.
         history = trainer.fit(_tokens(48), _tokens(8, 1))
     plan = trainer.memory_plan.as_dict()
-    assert plan["optimizer_source"] == "one step of AdamW on meta tensors"
+    assert plan["optimizer_source"] == "AdamW's state per parameter"
     tokens, targets = _tokens(4, 2)[:]
     nn.CrossEntropyLoss()(trainer.model(tokens), targets).backward()
     real = trainer.strategy.state_bytes(trainer.model, trainer.optimizer)
@@ -312,9 +312,54 @@ def test_the_planned_optimizer_state_is_the_state_a_real_step_makes(make):
         return t.shape, t.dtype
 
     plan = model_state.planned_state_bytes(model, optimizer, local_part)
-    assert plan["optimizer_source"] == ("its state" if optimizer.state else f"one step of {type(optimizer).__name__} on meta tensors")
+    name = type(optimizer).__name__
+    assert plan["optimizer_source"] == ("its state" if optimizer.state else f"{name}'s state per parameter"
+                                        if name in ("Adam", "AdamW", "SGD") else f"one step of {name} on meta tensors")
     tokens, targets = _tokens(4, 2)[:]
     nn.CrossEntropyLoss()(model(tokens), targets).backward()
     optimizer.step()
     real = model_state.state_bytes(model, optimizer)
     assert plan["optimizer"] == real["optimizer"] > 0
+
+
+class _AdamWithMore(torch.optim.AdamW):
+    """A subclass that keeps more state than AdamW: counted by a meta step, not AdamW's layout."""
+
+    @torch.no_grad()
+    def step(self):
+        super().step()
+        for p in self.state:
+            self.state[p].setdefault("extra", torch.zeros_like(p))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("settings", [
+    (torch.optim.AdamW, {}), (torch.optim.AdamW, {"fused": True}), (torch.optim.Adam, {"amsgrad": True, "foreach": True}),
+    (torch.optim.Adam, {"foreach": False, "weight_decay": 0.1}), (torch.optim.SGD, {"momentum": 0.9, "fused": True}),
+    (torch.optim.SGD, {"momentum": 0.0}), (_AdamWithMore, {}),
+], ids=["adamw", "adamw-fused", "adam-amsgrad", "adam-single-tensor", "sgd-fused-momentum", "sgd-plain", "subclass"])
+def test_adam_and_sgd_state_is_known_without_a_step_and_equals_a_real_step(settings, dtype):
+    """Adam's, AdamW's and SGD's state is counted from their settings (a meta step cost half a GPU
+    step at start-up); the count must be what their real first step makes, in every dtype and
+    implementation, 0-d step counts included or left out (XLA's count), under a float64 default."""
+    kind, options = settings
+    torch.set_default_dtype(torch.float64 if dtype == torch.float64 else torch.float32)
+    try:
+        torch.manual_seed(0)
+        model = _Tied().to(dtype)
+        params = [p for p in {id(p): p for p in model.parameters()}.values() if p.requires_grad]
+        optimizer = kind([{"params": params[:2], "lr": 1e-3}, {"params": params[2:]}], lr=1e-3, **options)
+        parts = {id(p): (p.shape, p.dtype) for p in model.parameters()}
+        known = {c: model_state._known_state_bytes(optimizer, parts, c) for c in (True, False)}
+        tokens, targets = _tokens(4, 2)[:]
+        nn.CrossEntropyLoss()(model(tokens).float(), targets).backward()
+        optimizer.step()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    real = {c: sum(v.numel() * v.element_size() for st in optimizer.state.values() for v in st.values()
+                   if isinstance(v, torch.Tensor) and (c or v.dim() > 0)) for c in (True, False)}
+    if kind is _AdamWithMore:
+        assert known == {True: None, False: None}
+    else:
+        assert known == real
+        assert real[False] > 0 or options == {"momentum": 0.0}

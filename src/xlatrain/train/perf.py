@@ -2,7 +2,8 @@
 step; throughput and model FLOPs utilisation (MFU) while it trains.
 
 Memory (:class:`MemoryPlan`), per device: parameters, gradients and optimizer state as the strategy
-holds them (from the real tensors; the optimizer's state from one step of it on meta tensors,
+holds them (from the real tensors; the optimizer's state from the layout of torch's Adam, AdamW and
+SGD, or else one step of it on meta tensors,
 :meth:`~xlatrain.backend.base.Strategy.planned_state_bytes`); the activations a training step keeps
 for its backward pass, measured: the bytes autograd saves during a forward pass of 2 and of 4
 samples of the training data, extended to the batch (:func:`profile_step`; on CUDA one measured
