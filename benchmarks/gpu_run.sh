@@ -22,7 +22,7 @@ step() {  # step SECONDS NAME COMMAND...
     $py -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name())'
     step 60 "gpu tests" $py -m pytest -q -m gpu -p no:cacheprovider -o addopts= tests
     step 45 "startup on cuda" $py -c 'import json, benchmarks.startup as s; print("startup_cuda:", json.dumps(s._measure("cuda")))'
-    XLATRAIN_GPU_PIPELINE_ROUNDS=5 step 80 gpu_pipeline $py -m benchmarks.run --only gpu_pipeline --out "$out/gpu.json"
+    XLATRAIN_GPU_PIPELINE_ROUNDS=5 step 100 gpu_pipeline $py -m benchmarks.run --only gpu_pipeline --out "$out/gpu.json"
     # On an H200: 35 s to the eager case's rounds, 89 s to the compiled one's (62 s compiling).
     XLATRAIN_GPU_LM_SIZES=1.2b step "${LM_BIG_LIMIT:-200}" "gpu_lm 1.2b" $py -m benchmarks.run --only gpu_lm --out "$out/lm1b.json"
     if [ "${GPU_RUN_ONLY_OPEN:-0}" != 1 ]; then
