@@ -240,7 +240,7 @@ def _known_state_bytes(
     kind = type(optimizer)
     if kind not in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD):
         return None
-    default_scalar = torch.get_default_dtype() if torch.get_default_dtype() == torch.float64 else torch.float32
+    default_scalar = 8 if torch.get_default_dtype() == torch.float64 else 4  # bytes of a non-fused step count
     total, seen = 0, set()
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -248,13 +248,13 @@ def _known_state_bytes(
                 continue  # a tied weight is one parameter; a frozen one gets no gradient, so no state
             seen.add(id(p))
             shape, dtype = parts[id(p)]
-            size = shape.numel() * torch.empty((), dtype=dtype).element_size()
+            size = shape.numel() * dtype.itemsize
             if kind is torch.optim.SGD:
                 total += size if group["momentum"] != 0 else 0
                 continue
             total += (3 if group["amsgrad"] else 2) * size
             if count_scalars:
-                total += torch.empty((), dtype=torch.float32 if group["fused"] else default_scalar).element_size()
+                total += 4 if group["fused"] else default_scalar
     return total
 
 
