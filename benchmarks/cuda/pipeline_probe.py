@@ -1,12 +1,17 @@
-"""Where the PE recipe's images/s go on CUDA, beside the device-resident loop: the Trainer at its
-defaults (15 decode workers on a 16-CPU host) and with 4, a hand loop over the same shard reader
-(its pinning thread, a non-blocking copy, the device-resident side's step), and the
-device-resident loop, alternating in one process. Per side: images/s over the steps after two of
-warm-up, and the training thread's milliseconds per step spent fetching the batch and launching
-the step (the step is launch-bound: what that thread spends is what the GPU waits), and the
-garbage collections in the window. Prints the host's CPU topology first. Run from the repository
-root: ``python benchmarks/cuda/pipeline_probe.py`` (``STUDIES=N``, ``ROUNDS=N``; ``DIAG_DEV=cpu``
-for a smoke run on the CPU).
+"""Where the PE recipe's images/s go on CUDA, beside the device-resident loop, alternating in one
+process: the Trainer at its defaults (its batches copied on a side stream, ``_CudaPrefetcher``);
+the Trainer with each batch copied on the compute stream one batch ahead instead (``plain``, as
+TorchTPU's feed and a hand loop copy); a hand loop over the same shard reader (its pinning thread,
+a non-blocking copy, the device-resident side's step); the device-resident step while the reader's
+batches are taken and dropped (``reader_idle``: what the reader's threads and processes cost the
+launching thread, no copy); and the device-resident loop. Per side: images/s over the steps after
+two of warm-up, held against the mean of the device-resident windows before and after it; the
+training thread's milliseconds per step fetching the batch and launching the step (the step is
+launch-bound: what that thread spends the GPU waits), after the warm-up; and the garbage
+collections in the window. Prints the host's CPU topology first. Run from the repository root:
+``python benchmarks/cuda/pipeline_probe.py`` (``STUDIES=N``, ``ROUNDS=N``; ``DIAG_DEV=cpu`` for a
+smoke run on the CPU). Sections 6 and 9 of NVIDIA-H200-2026-11-27.log are its output (section 6
+from its first version: Trainer at 15 and 4 workers, hand loop, device-resident loop).
 """
 import gc, json, os, statistics, subprocess, sys, tempfile, time
 sys.path.insert(0, os.getcwd()); sys.path.insert(0, os.path.join(os.getcwd(), "src"))
@@ -14,11 +19,12 @@ import torch
 from torch import nn
 from benchmarks import gpu_pipeline as gp
 from benchmarks.gpu_common import sync
+from xlatrain.backend import native
 from xlatrain.train import trainer as trainer_mod
 
 DEV = os.environ.get("DIAG_DEV", "cuda")
 STUDIES = int(os.environ.get("STUDIES", "240"))
-ROUNDS = int(os.environ.get("ROUNDS", "4"))
+ROUNDS = int(os.environ.get("ROUNDS", "5"))
 WARM = 2
 
 try:
@@ -31,6 +37,7 @@ except Exception as exc:  # noqa: BLE001
 print("affinity", len(os.sched_getaffinity(0)), flush=True)
 
 step_s: list[float] = []
+fetch_s: list[float] = []
 original_step = trainer_mod.Trainer._train_step
 
 
@@ -43,25 +50,45 @@ def timed_step(self, *args, **kwargs):
 
 
 trainer_mod.Trainer._train_step = timed_step
+
+
+def timed_feed(kind):
+    """``kind`` (a device feed class) with each batch's fetch timed on the training thread."""
+    class Timed(kind):
+        def __iter__(self):
+            it = super().__iter__()
+            while True:
+                t = time.perf_counter()
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    return
+                fetch_s.append(time.perf_counter() - t)
+                yield batch
+    return Timed
+
+
+side_stream, plain = timed_feed(native._CudaPrefetcher), timed_feed(native._AheadCopier)
 collections: list[int] = []
 gc.callbacks.append(lambda phase, info: collections.append(info["generation"]) if phase == "start" else None)
 
 
-def trainer_side(trainer, train, val):
-    step_s.clear(); collections.clear()
+def trainer_side(trainer, train, val, feed):
+    native._CudaPrefetcher = feed  # what the runtime wraps a CUDA loader in
+    step_s.clear(); fetch_s.clear(); collections.clear()
     row = trainer.fit(train, val, resume="overwrite")[-1]
     rep = json.loads((trainer.run_dir / "diagnostics.json").read_text())
-    ep = rep.get("epochs", [{}])[-1] if isinstance(rep.get("epochs"), list) else {}
-    steps = len(step_s)
     return {"images_s": row["samples_per_s"], "wait_share": round(rep["input_bound_share"], 4),
             "launch_ms": round(1e3 * statistics.mean(step_s[WARM:]), 2),
-            "fetch_ms": round(1e3 * ep.get("input_wait_s", float("nan")) / max(steps, 1), 2),
+            # None on the CPU, where the runtime hands the loader's batches over as they are
+            "fetch_ms": round(1e3 * statistics.mean(fetch_s[WARM:]), 3) if len(fetch_s) > WARM else None,
+            "first_fetch_ms": round(1e3 * fetch_s[0], 1) if fetch_s else None,
             "gc": [collections.count(g) for g in range(3)]}
 
 
-def loop(trainer, batches, steps, batch_rows):
-    """The device-resident side's step over ``batches`` (an iterator of device batches, or None for
-    the one resident batch); returns images/s after WARM steps and per-step fetch and launch ms."""
+def loop(trainer, batches, steps, batch_rows, use=True):
+    """The device-resident side's step, over ``batches`` (the reader's pass; ``use=False``: each
+    taken and dropped, the step on the resident batch) or on the one resident batch (None)."""
     model = trainer.strategy.unwrap(trainer.model)
     model.train()
     opt = torch.optim.Adam(model.parameters(), lr=1e-4, **({"fused": True} if trainer.optimizer.defaults.get("fused") else {}))
@@ -72,20 +99,20 @@ def loop(trainer, batches, steps, batch_rows):
         resident = resident.contiguous(memory_format=torch.channels_last)
     resident_targets = torch.rand(batch_rows, 10, device=DEV).round()
     fetch, launch = [], []
-    step_s.clear(); collections.clear()
+    collections.clear()
     started = None
     for i in range(steps):
         if i == WARM:
             sync(DEV); started = time.perf_counter(); collections.clear()
         t0 = time.perf_counter()
-        if batches is None:
-            images, targets = resident, resident_targets
-        else:
+        images, targets = resident, resident_targets
+        if batches is not None:
             host_images, host_targets = next(batches)
-            images = host_images.to(DEV, non_blocking=True)
-            targets = host_targets.to(DEV, non_blocking=True)
-            if trainer.channels_last:
-                images = images.contiguous(memory_format=torch.channels_last)
+            if use:
+                images = host_images.to(DEV, non_blocking=True)
+                targets = host_targets.to(DEV, non_blocking=True)
+                if trainer.channels_last:
+                    images = images.contiguous(memory_format=torch.channels_last)
         t1 = time.perf_counter()
         with trainer.precision.autocast():
             loss = loss_fn(model(images).float(), targets.float())
@@ -97,7 +124,7 @@ def loop(trainer, batches, steps, batch_rows):
             fetch.append(t1 - t0); launch.append(t2 - t1)
     sync(DEV)
     return {"images_s": round((steps - WARM) * batch_rows / (time.perf_counter() - started), 1),
-            "launch_ms": round(1e3 * statistics.mean(launch), 2), "fetch_ms": round(1e3 * statistics.mean(fetch), 2),
+            "launch_ms": round(1e3 * statistics.mean(launch), 2), "fetch_ms": round(1e3 * statistics.mean(fetch), 3),
             "gc": [collections.count(g) for g in range(3)]}
 
 
@@ -112,28 +139,31 @@ with tempfile.TemporaryDirectory() as root:
           "workers", trainer._feed.num_workers, trainer._feed.workers_reason, flush=True)
     steps = trainer._feed.steps_per_epoch
     rows_b = trainer.config.batch_size
-    few = parts.train_data.subset(range(len(parts.train_data)), num_workers=4)
-    trainer.fit(few, parts.val_data, resume="overwrite")  # starts its workers
-    sides = ["trainer", "resident", "hand", "trainer_w4"]
+
+    def reader(r):
+        return parts.train_data.train_batches(loader_batch=rows_b, num_processes=1, process_index=0, seed=r, epoch=1)
+
+    sides = ["trainer", "plain", "hand", "reader_idle"]
+    resident = [loop(trainer, None, steps, rows_b)]
     for r in range(ROUNDS):
         order = sides[r % len(sides):] + sides[:r % len(sides)]
-        if r % 2:
-            order.reverse()
         for side in order:
             if side == "trainer":
-                figures = trainer_side(trainer, parts.train_data, parts.val_data)
-            elif side == "trainer_w4":
-                figures = trainer_side(trainer, few, parts.val_data)
-            elif side == "resident":
-                figures = loop(trainer, None, steps, rows_b)
+                figures = trainer_side(trainer, parts.train_data, parts.val_data, side_stream)
+            elif side == "plain":
+                figures = trainer_side(trainer, parts.train_data, parts.val_data, plain)
             else:
-                batches = parts.train_data.train_batches(loader_batch=rows_b, num_processes=1, process_index=0,
-                                                         seed=r, epoch=1)
-                figures = loop(trainer, batches, steps, rows_b)
+                batches = reader(r)
+                figures = loop(trainer, batches, steps, rows_b, use=side == "hand")
                 batches.close()
+            resident.append(loop(trainer, None, steps, rows_b))
+            figures["over_resident"] = round(figures["images_s"] / ((resident[-2]["images_s"] + resident[-1]["images_s"]) / 2), 3)
             rows.setdefault(side, []).append(figures)
-            print("round", r, side, json.dumps(figures), flush=True)
-summary = {side: {k: [row[k] for row in got] for k in ("images_s", "launch_ms", "fetch_ms")} for side, got in rows.items()}
-for side in summary:
-    summary[side]["over_resident"] = [round(a / b, 3) for a, b in zip(summary[side]["images_s"], summary["resident"]["images_s"])]
+            print("round", r, side, json.dumps(figures), "resident", json.dumps(resident[-1]), flush=True)
+summary = {side: {k: [row[k] for row in got] for k in ("over_resident", "images_s", "launch_ms", "fetch_ms")}
+           for side, got in rows.items()}
+summary["resident"] = {k: [row[k] for row in resident] for k in ("images_s", "launch_ms")}
+for side in rows:
+    got = summary[side]["over_resident"]
+    summary[side]["over_resident_min_median_max"] = [min(got), statistics.median(got), max(got)]
 print("summary", json.dumps(summary), flush=True)
