@@ -1,12 +1,13 @@
 """The device feeds of the native backend: every batch, in order, structure kept, one ahead.
 
 ``_AheadCopier`` feeds TorchTPU; here it runs with the CPU device, the same code with another
-device name. ``_CudaPrefetcher`` needs a GPU (marked ``gpu``)."""
+device name. ``_CudaPrefetcher`` needs a GPU (marked ``gpu``): it copies in stream, or on a side
+stream for batches of ``SIDE_STREAM_BYTES`` or more, chosen by the first batch's size."""
 
 import pytest
 import torch
 
-from xlatrain.backend.native import _AheadCopier, _CudaPrefetcher
+from xlatrain.backend.native import SIDE_STREAM_BYTES, _AheadCopier, _CudaPrefetcher, batch_bytes
 
 
 class _Counting:
@@ -48,3 +49,28 @@ def test_the_cuda_prefetcher_yields_every_batch_on_the_gpu_in_order():
     seen = list(_CudaPrefetcher(_Counting(_batches()), torch.device("cuda", 0)))
     assert [b["image"].device.type for b in seen] == ["cuda"] * 4
     assert [int(b["meta"][0].item()) for b in seen] == [0, 1, 2, 3]
+
+
+def test_a_batch_counts_the_bytes_of_every_tensor_it_holds():
+    batch = {"image": torch.zeros(2, 3, dtype=torch.uint8), "meta": (torch.zeros(4, dtype=torch.float64), "name"),
+             "rows": [torch.zeros(5, dtype=torch.bfloat16)]}
+    assert batch_bytes(batch) == 6 + 32 + 10
+    assert batch_bytes("no tensor") == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("rows", [1, SIDE_STREAM_BYTES // 64 + 1], ids=["in-stream", "side-stream"])
+def test_the_cuda_prefetcher_copies_small_and_large_batches_whole_and_in_order(rows):
+    """Page-locked batches under and over the side stream's size: each arrives whole, in order,
+    one ahead, and still holds its values after the host's copy is gone and the stream moved on."""
+    host = [torch.full((rows, 64), i, dtype=torch.uint8).pin_memory() for i in range(4)]
+    loader = _Counting([(t, torch.tensor([i])) for i, t in enumerate(host)])
+    seen = []
+    for images, index in _CudaPrefetcher(loader, torch.device("cuda", 0)):
+        assert loader.taken == min(len(seen) + 2, 4)
+        seen.append((images.sum(dtype=torch.int64), images.numel(), index))  # used on the compute stream
+    del host, loader
+    torch.cuda.synchronize()
+    assert [int(total) for total, _, _ in seen] == [i * rows * 64 for i in range(4)]
+    assert [int(index) for _, _, index in seen] == [0, 1, 2, 3]
