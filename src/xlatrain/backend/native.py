@@ -241,11 +241,11 @@ class _DeviceFeed:
 
 
 # A batch at least this large is copied on a side stream, beside the compute; a smaller one on the
-# compute stream. The side stream cost the launching thread 0.24 ms a batch on an H200 host (the
-# PE recipe's 4 MiB batches: 0.67-0.79 ms to take one, against 0.43-0.55 copied in stream), which
-# a launch-bound step pays in full, while a 4 MiB copy holds the stream for about 0.1-0.2 ms
-# (page-locked, 25-50 GB/s). At 16 MiB and more the copy (0.3-0.7 ms) outweighs that cost even for
-# a step the GPU bounds.
+# compute stream. Measured: the side stream cost the launching thread 0.24 ms a batch on an H200
+# host (the PE recipe's 4 MiB batches: 0.67-0.79 ms to take one, against 0.43-0.55 copied in
+# stream), which a launch-bound step pays in full. Reckoned from a page-locked copy's 25-50 GB/s,
+# not measured: a 4 MiB copy holds the compute stream 0.1-0.2 ms, a 16 MiB one 0.3-0.7 ms, more
+# than the side stream costs, so a step the GPU bounds gains by the side stream from there on.
 SIDE_STREAM_BYTES = 16 << 20
 
 
