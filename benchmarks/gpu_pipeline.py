@@ -7,9 +7,10 @@ The other side trains the same network, in the same precision and memory format,
 once on the GPU: what the device does when it never waits. The sides alternate, the device-resident
 loop first and last, and each recipe epoch is held against the mean of the device-resident windows
 just before and after it: both steps are bound by the Python thread that launches them, whose pace
-drifts by 5-10% over seconds on a shared host (16.6-19.2 ms for the same device-resident step in one
-run on an H200), and the windows on either side cancel a drift that one window beside it would
-leave in the ratio. Figures: images/s of the recipe over the device-resident loop (target >= 0.9
+drifts over seconds on a shared host (the same device-resident step launched in 16.6-19.2 ms across
+one run on an H200, 12.6-19.6 ms across another), and the mean of the windows on either side takes
+out a drift that runs steadily across the three, which one window beside it would leave in the
+ratio; a jump between two windows it does not. Figures: images/s of the recipe over the device-resident loop (target >= 0.9
 every round) and the share of training time the recipe waited for input (target < 10%).
 """
 

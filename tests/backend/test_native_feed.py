@@ -1,13 +1,14 @@
 """The device feeds of the native backend: every batch, in order, structure kept, one ahead.
 
 ``_AheadCopier`` feeds TorchTPU; here it runs with the CPU device, the same code with another
-device name. ``_CudaPrefetcher`` needs a GPU (marked ``gpu``): it copies in stream, or on a side
-stream for batches of ``SIDE_STREAM_BYTES`` or more, chosen by the first batch's size."""
+device name. ``_CudaPrefetcher`` needs a GPU (marked ``gpu``): it copies page-locked batches under
+``SIDE_STREAM_BYTES`` on the compute stream, larger or pageable ones on a side stream, chosen by
+the first batch."""
 
 import pytest
 import torch
 
-from xlatrain.backend.native import SIDE_STREAM_BYTES, _AheadCopier, _CudaPrefetcher, batch_bytes
+from xlatrain.backend.native import SIDE_STREAM_BYTES, _AheadCopier, _CudaPrefetcher, batch_bytes, copies_in_stream
 
 
 class _Counting:
@@ -58,19 +59,49 @@ def test_a_batch_counts_the_bytes_of_every_tensor_it_holds():
     assert batch_bytes("no tensor") == 0
 
 
+def test_a_pageable_batch_is_never_copied_on_the_compute_stream():
+    # A pageable copy synchronizes the stream it is issued on: on the compute stream the host would
+    # wait for every step queued before it. Here no tensor can be page-locked (no GPU) or is.
+    assert not copies_in_stream((torch.zeros(2, 3), torch.zeros(1)))
+    assert copies_in_stream(("no tensor", 1))  # nothing to copy: nothing to wait for
+
+
+class _Made:
+    """A loader that makes each batch as it is asked for and keeps no reference to it, as a
+    DataLoader's pin-memory thread hands batches over."""
+
+    def __init__(self, rows, pinned, n=4):
+        self.rows, self.pinned, self.n, self.taken = rows, pinned, n, 0
+
+    def __len__(self):
+        return self.n
+
+    def __iter__(self):
+        for i in range(self.n):
+            self.taken += 1
+            images, index = torch.full((self.rows, 64), i, dtype=torch.uint8), torch.tensor([i])
+            yield (images.pin_memory(), index.pin_memory()) if self.pinned else (images, index)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("rows", [1, SIDE_STREAM_BYTES // 64 + 1], ids=["in-stream", "side-stream"])
-def test_the_cuda_prefetcher_copies_small_and_large_batches_whole_and_in_order(rows):
-    """Page-locked batches under and over the side stream's size: each arrives whole, in order,
-    one ahead, and still holds its values after the host's copy is gone and the stream moved on."""
-    host = [torch.full((rows, 64), i, dtype=torch.uint8).pin_memory() for i in range(4)]
-    loader = _Counting([(t, torch.tensor([i])) for i, t in enumerate(host)])
+@pytest.mark.parametrize("rows, pinned, in_stream", [
+    (1, True, True), (SIDE_STREAM_BYTES // 64 + 1, True, False), (1, False, False),
+], ids=["small-pinned-in-stream", "large-pinned-side-stream", "small-pageable-side-stream"])
+def test_the_cuda_prefetcher_copies_every_batch_whole_and_in_order_on_either_stream(rows, pinned, in_stream):
+    """Batches under and over the side stream's size, page-locked or not: the copy takes the
+    stream it should, and each batch arrives whole, in order, one ahead, while the compute stream
+    is still busy and the host's freed page-locked blocks are written over by new batches."""
+    assert copies_in_stream(next(iter(_Made(rows, pinned)))) == in_stream
+    loader = _Made(rows, pinned)
+    torch.cuda._sleep(200_000_000)  # the compute stream busy for a while: in-stream copies queue behind it
     seen = []
     for images, index in _CudaPrefetcher(loader, torch.device("cuda", 0)):
         assert loader.taken == min(len(seen) + 2, 4)
-        seen.append((images.sum(dtype=torch.int64), images.numel(), index))  # used on the compute stream
-    del host, loader
+        assert images.is_cuda and index.is_cuda
+        seen.append((images, index))
+        # Page-locked memory freed too soon would be handed out here and written before its copy ran.
+        torch.empty((rows, 64), dtype=torch.uint8, pin_memory=True).fill_(255)
     torch.cuda.synchronize()
-    assert [int(total) for total, _, _ in seen] == [i * rows * 64 for i in range(4)]
-    assert [int(index) for _, _, index in seen] == [0, 1, 2, 3]
+    assert [int(images.sum(dtype=torch.int64)) for images, _ in seen] == [i * rows * 64 for i in range(4)]
+    assert [int(index) for _, index in seen] == [0, 1, 2, 3]

@@ -322,6 +322,18 @@ def test_the_planned_optimizer_state_is_the_state_a_real_step_makes(make):
     assert plan["optimizer"] == real["optimizer"] > 0
 
 
+def test_an_optimizer_holding_a_parameter_outside_the_model_is_planned_by_its_kinds_usual_count():
+    """A parameter the optimizer steps but the model does not hold (a loss's own weight) has no part
+    known to the plan: the plan falls back to the usual count, as it does for an optimizer it
+    cannot rebuild, instead of failing before the first step."""
+    model = _Tied()
+    extra = nn.Parameter(torch.zeros(3))
+    optimizer = torch.optim.AdamW([*model.parameters(), extra], lr=1e-3)
+    plan = model_state.planned_state_bytes(model, optimizer, lambda t: (t.shape, t.dtype))
+    assert plan["optimizer_source"] == "estimated: 2 tensor(s) per parameter"
+    assert plan["optimizer"] == 2 * plan["gradients"]
+
+
 class _AdamWithMore(torch.optim.AdamW):
     """A subclass that keeps more state than AdamW: counted by a meta step, not AdamW's layout."""
 
@@ -339,15 +351,18 @@ class _AdamWithMore(torch.optim.AdamW):
     (torch.optim.SGD, {"momentum": 0.0}), (_AdamWithMore, {}),
 ], ids=["adamw", "adamw-fused", "adam-amsgrad", "adam-single-tensor", "sgd-fused-momentum", "sgd-plain", "subclass"])
 def test_adam_and_sgd_state_is_known_without_a_step_and_equals_a_real_step(settings, dtype):
-    """Adam's, AdamW's and SGD's state is counted from their settings (a meta step cost half a GPU
-    step at start-up); the count must be what their real first step makes, in every dtype and
-    implementation, 0-d step counts included or left out (XLA's count), under a float64 default."""
+    """Adam's, AdamW's and SGD's state is counted from their settings (with a meta step the count
+    took 6-10 ms of CUDA start-up); the count must be what their real first step makes: fused,
+    foreach and single-tensor steps, amsgrad, momentum or none, frozen parameters in the groups, in
+    float32, bfloat16 and float64 (the default dtype then, which the step counts follow), 0-d
+    state included or left out (XLA's count). Capturable steps need a GPU and are not run here."""
     kind, options = settings
     torch.set_default_dtype(torch.float64 if dtype == torch.float64 else torch.float32)
     try:
         torch.manual_seed(0)
         model = _Tied().to(dtype)
-        params = [p for p in {id(p): p for p in model.parameters()}.values() if p.requires_grad]
+        params = list(model.parameters())  # the frozen layer's too: no gradient, so no state
+        assert not all(p.requires_grad for p in params)
         optimizer = kind([{"params": params[:2], "lr": 1e-3}, {"params": params[2:]}], lr=1e-3, **options)
         parts = {id(p): (p.shape, p.dtype) for p in model.parameters()}
         known = {c: model_state._known_state_bytes(optimizer, parts, c) for c in (True, False)}

@@ -240,12 +240,16 @@ class _DeviceFeed:
         return t.to(self._device, non_blocking=True) if isinstance(t, torch.Tensor) else t
 
 
-# A batch at least this large is copied on a side stream, beside the compute; a smaller one on the
-# compute stream. Measured: the side stream cost the launching thread 0.24 ms a batch on an H200
+# A page-locked batch under this size is copied on the compute stream, a larger or pageable one on
+# a side stream. The side stream's handling cost the launching thread 0.24 ms a batch on an H200
 # host (the PE recipe's 4 MiB batches: 0.67-0.79 ms to take one, against 0.43-0.55 copied in
-# stream), which a launch-bound step pays in full. Reckoned from a page-locked copy's 25-50 GB/s,
-# not measured: a 4 MiB copy holds the compute stream 0.1-0.2 ms, a 16 MiB one 0.3-0.7 ms, more
-# than the side stream costs, so a step the GPU bounds gains by the side stream from there on.
+# stream), which a step bound by its launching thread pays in full; a step the GPU bounds gains by
+# the side stream instead (its copy runs beside the kernels, not between them). Small batches
+# mostly feed launch-bound steps and large ones GPU-bound steps: reckoned from a page-locked copy's
+# 25-50 GB/s (not measured here), a 4 MiB copy holds the compute stream 0.1-0.2 ms, a 16 MiB one
+# 0.3-0.7 ms, more than the side stream costs the host. A pageable batch always takes the side
+# stream: CUDA synchronizes the stream a pageable copy is issued on, which on the compute stream
+# would make the host wait for every step queued before it.
 SIDE_STREAM_BYTES = 16 << 20
 
 
@@ -263,17 +267,26 @@ def batch_bytes(batch: Any) -> int:
     return total
 
 
+def copies_in_stream(batch: Any) -> bool:
+    """Whether a CUDA feed of batches like ``batch`` copies them on the compute stream: every
+    tensor of it page-locked (or already on a GPU), and all together under :data:`SIDE_STREAM_BYTES`."""
+    tensors: list[torch.Tensor] = []
+    tree_map(lambda t: tensors.append(t) if isinstance(t, torch.Tensor) else t, batch)
+    return batch_bytes(batch) < SIDE_STREAM_BYTES and all(t.is_cuda or t.is_pinned() for t in tensors)
+
+
 class _CudaPrefetcher(_DeviceFeed):
-    """Copies the next batch to the GPU while the current one computes: page-locked batches copy
-    without blocking the host, one batch ahead, on the compute stream; batches of
-    :data:`SIDE_STREAM_BYTES` or more on a side stream, which the compute stream waits for."""
+    """Starts the next batch's copy to the GPU before the current batch is used, without blocking
+    the host: page-locked batches under :data:`SIDE_STREAM_BYTES` on the compute stream, queued
+    ahead of the step that uses them; larger or pageable ones on a side stream, beside the
+    compute, which the compute stream waits for. Chosen on the first batch: the others are alike."""
 
     def __iter__(self) -> Iterator[Any]:
         stream = None
         pending = None
         for batch in self._loader:
-            if stream is None and pending is None and batch_bytes(batch) >= SIDE_STREAM_BYTES:
-                stream = torch.cuda.Stream(self._device)  # chosen on the first batch: the others are alike
+            if stream is None and pending is None and not copies_in_stream(batch):
+                stream = torch.cuda.Stream(self._device)
             if stream is not None:
                 with torch.cuda.stream(stream):
                     on_device = tree_map(self._copy, batch)
