@@ -18,7 +18,7 @@ import torch
 from xlatrain.backend.base import _b64, _unb64, host_rng_state, seed_host, set_host_rng_state
 from xlatrain.backend.errors import BackendUnavailableError
 from xlatrain.backend.processes import PROCESS_GROUP
-from xlatrain.tree import tree_map
+from xlatrain.tree import tree_flatten, tree_map
 
 # torch.compile backends: TorchTPU's "tpu" takes static shapes only (dynamic=True raises there).
 COMPILE = {"cpu": {}, "cuda": {}, "tpu": {"backend": "tpu", "dynamic": False}}
@@ -253,26 +253,19 @@ class _DeviceFeed:
 SIDE_STREAM_BYTES = 16 << 20
 
 
+def _tensors(batch: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
+
+
 def batch_bytes(batch: Any) -> int:
-    """Bytes of the tensors in ``batch`` (any nesting of lists, tuples, dicts)."""
-    total = 0
-
-    def add(t: Any) -> Any:
-        nonlocal total
-        if isinstance(t, torch.Tensor):
-            total += t.numel() * t.element_size()
-        return t
-
-    tree_map(add, batch)
-    return total
+    """Bytes of the tensors in ``batch`` (any nesting of lists, tuples, dicts, dataclasses)."""
+    return sum(t.numel() * t.element_size() for t in _tensors(batch))
 
 
 def copies_in_stream(batch: Any) -> bool:
     """Whether a CUDA feed of batches like ``batch`` copies them on the compute stream: every
     tensor of it page-locked (or already on a GPU), and all together under :data:`SIDE_STREAM_BYTES`."""
-    tensors: list[torch.Tensor] = []
-    tree_map(lambda t: tensors.append(t) if isinstance(t, torch.Tensor) else t, batch)
-    return batch_bytes(batch) < SIDE_STREAM_BYTES and all(t.is_cuda or t.is_pinned() for t in tensors)
+    return batch_bytes(batch) < SIDE_STREAM_BYTES and all(t.is_cuda or t.is_pinned() for t in _tensors(batch))
 
 
 class _CudaPrefetcher(_DeviceFeed):
