@@ -11,7 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import SCRIPTS, run_script
-from xlatrain.diagnostics.profile import TRACE_FILE, StepTrace, check_profile_steps, render_summary
+from xlatrain.diagnostics.profile import (
+    TRACE_FILE, StepTrace, _device_activity, check_profile_steps, host_paced_note, render_summary,
+)
 
 NUM_STEPS = 8
 
@@ -82,6 +84,7 @@ def test_a_traced_loop_writes_a_chrome_trace_of_its_steps_and_trains_exactly_as_
     own = next((op["total_ms"] for op in summary["top_ops"] if op["name"] == "aten::conv2d"), 0.0)
     assert own * 1000 < 0.5 * spans
     assert summary["transfers"]["to_device"] == 0 and summary["transfers"]["scalar_reads"] == 0
+    assert "device" not in summary  # no GPU: no device work to measure
     md = (out / "summary.md").read_text()
     assert "Profile of training steps 3-5 (cpu)" in md and "| `aten::" in md and "waiting for input" in md
 
@@ -159,3 +162,98 @@ def test_on_xla_cpu_torch_xla_writes_an_xplane_trace_and_the_losses_do_not_chang
     assert summary["transfers"]["compilations"] == 0  # steps 3-5 run the graph compiled at steps 1-2
     assert summary["transfers"]["from_device"] == 0 and summary["transfers"]["to_device"] >= 1
     assert "| `convolution` |" in (out / "summary.md").read_text()
+
+
+def _event(cat, name, ts, dur, correlation=None, stream=7):
+    """One complete event as torch.profiler's Chrome trace writes it (host events on the process's
+    thread, device work on its stream)."""
+    host = cat in ("user_annotation", "cpu_op", "cuda_runtime", "cuda_driver")
+    event = {"ph": "X", "cat": cat, "name": name, "pid": 4321 if host else 0, "tid": 1 if host else stream,
+             "ts": ts, "dur": dur}
+    if correlation is not None:
+        event["args"] = {"correlation": correlation}
+    return event
+
+
+# Two traced steps on the host (0-100 and 150-250 µs, a 50 µs wait for input between them), the
+# kernels and the copy they launched, and an evaluation launched after them.
+_GPU_TRACE = [
+    _event("user_annotation", "ProfilerStep#1", 0, 100),
+    _event("user_annotation", "ProfilerStep#2", 150, 100),
+    _event("gpu_user_annotation", "ProfilerStep#2", 160, 600),  # the step's span as the GPU saw it: not a host step
+    _event("cuda_runtime", "cudaLaunchKernel", 10, 5, 1),
+    _event("cuda_runtime", "cudaLaunchKernel", 20, 5, 2),
+    _event("cuda_runtime", "cudaLaunchKernel", 160, 5, 3),
+    _event("cuda_runtime", "cudaMemcpyAsync", 170, 5, 4),
+    _event("cuda_driver", "cuLaunchKernel", 400, 5, 99),  # after the steps: an evaluation
+    _event("kernel", "gemm", 30, 40, 1, stream=7),
+    _event("kernel", "gemm", 50, 40, 2, stream=8),  # 50-70 overlaps the first, on another stream
+    _event("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 180, 10, 4),
+    _event("kernel", "relu", 200, 100, 3),  # step 2's last kernel, still running after its host span
+    _event("kernel", "eval_gemm", 410, 50, 99),
+]
+
+
+def test_gpu_busy_time_is_the_steps_device_work_counted_once_where_streams_overlap():
+    got = _device_activity(_GPU_TRACE, 2, input_wait_s=50e-6)
+    # From the first step's start to step 2's last kernel; the evaluation's kernel is not in it.
+    assert got["window_s"] == pytest.approx(300e-6)
+    assert got["busy_s"] == pytest.approx(170e-6)  # 30-90, 180-190, 200-300
+    assert got["busy_share"] == pytest.approx(170 / 300, abs=1e-4)
+    assert got["input_wait_share"] == pytest.approx(50 / 300, abs=1e-4)
+    assert got["host_paced_share"] == pytest.approx(80 / 300, abs=1e-4)
+    assert got["kernels_per_step"] == 1.5 and got["kernel_us_mean"] == pytest.approx(60.0)
+    # Without the launches' correlation ids no work can be tied to a step: nothing is said.
+    untied = [{k: v for k, v in e.items() if k != "args"} for e in _GPU_TRACE]
+    assert _device_activity(untied, 2, 0.0) is None
+
+
+def test_a_gpu_left_idle_by_the_host_gets_a_note_and_a_busy_one_none():
+    idle = _device_activity(_GPU_TRACE, 2, input_wait_s=50e-6)
+    note = host_paced_note(idle, reads=0)
+    assert note.startswith("the GPU was busy 57% of the traced steps' time and they waited for input 17%; "
+                           "for the other 27% it had no work ready")
+    assert "the host set the pace" in note and "compile=True" in note and "value(s)" not in note
+    assert "read 3 value(s) from the GPU" in host_paced_note(idle, reads=3)
+    # The same steps with a 55 µs wait: 25.7% idle for want of input, less than a quarter left to the host.
+    assert host_paced_note(_device_activity(_GPU_TRACE, 2, input_wait_s=55e-6), reads=0) is not None
+    assert host_paced_note(_device_activity(_GPU_TRACE, 2, input_wait_s=80e-6), reads=0) is None
+    md = render_summary({"steps": [1, 2], "backend": "cuda", "trace": TRACE_FILE, "traced_s": 0.0003, "num_steps": 2,
+                         "ms_per_step": 0.15, "step_s": 0.0002, "input_wait_s": 5e-5, "input_wait_share": 0.1667,
+                         "between_steps_s": 0.0, "transfers": {"to_device": 1, "to_device_bytes": 4096, "from_device": 0,
+                                                               "from_device_bytes": 0, "device_to_device": 0,
+                                                               "scalar_reads": 0},
+                         "device": idle, "notes": [note], "top_ops": [], "ops_source": "device kernels", "op_time_ms": 0.18})
+    assert "- GPU busy: 56.7% of the traced steps' time" in md and "2 kernels a step, 60.0 µs each" in md
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_tiny_kernels_are_told_the_host_set_the_pace_and_large_matmuls_are_not(tmp_path):
+    small = torch.ones(16, device="cuda")
+    big = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+
+    def tiny():
+        x = small
+        for _ in range(300):  # 600 kernels of a few µs, each launched from Python
+            x = x * 1.0001 + 0.0001
+
+    def heavy():
+        for _ in range(4):  # about a TFLOP each: milliseconds on the GPU, microseconds to launch
+            big @ big
+
+    def traced(name, work):
+        trace = StepTrace(tmp_path / name, (3, 6), trace_kind="torch", is_main=True, platform="cuda")
+        for n in range(1, 8):
+            trace.before_step(n)
+            work()
+            trace.after_step(n)
+        torch.cuda.synchronize()
+        return trace.close()
+
+    paced, busy = traced("tiny", tiny), traced("heavy", heavy)
+    assert paced["device"]["kernels_per_step"] == 600 and paced["device"]["busy_share"] < 0.5
+    assert any("the host set the pace" in n for n in paced["notes"])
+    assert "- GPU busy: " in (tmp_path / "tiny" / "profile" / "summary.md").read_text()
+    assert busy["device"]["kernels_per_step"] == 4 and busy["device"]["busy_share"] > 0.9
+    assert not any("set the pace" in n for n in busy["notes"])

@@ -13,7 +13,9 @@ over the whole run) with the profiler of the runtime that runs them, and writes
   traced step is a ``train_step`` span with its ``step_num``.
 - ``summary.md`` / ``summary.json``: the ops that took the most time, the share of the traced
   time spent waiting for input, and the host-device transfers (XLA: torch_xla's counters over
-  the traced steps; CPU / CUDA: the trace's copy events).
+  the traced steps; CPU / CUDA: the trace's copy events). On CUDA also the share of the traced
+  steps' time the GPU worked, and a note when it sat idle for want of work the host had not
+  launched yet (a launch-bound step).
 
 Tracing leaves the run's numbers as they are: it draws no random numbers, reads no device value
 and cuts no XLA graph. Only the last traced step waits for its device work to finish (XLA,
@@ -32,6 +34,7 @@ Example (what ``Trainer.fit`` does with ``TrainConfig(profile_steps=(20, 30))``)
 
 from __future__ import annotations
 
+import bisect
 import gzip
 import json
 import os
@@ -53,6 +56,12 @@ _TOP_SHOWN = 10
 _STEP_SPAN = "train_step"  # XLA: the name xprof's step statistics expect from a step marker
 # torch.profiler's Chrome trace categories: host ops, device kernels, device copies.
 _CPU_OP, _KERNEL, _MEMCPY = "cpu_op", "kernel", "gpu_memcpy"
+_DEVICE_WORK = (_KERNEL, _MEMCPY, "gpu_memset")  # what occupies a GPU
+_HOST_CALLS = ("cuda_runtime", "cuda_driver")  # the host's launches, tied to their device work by "correlation"
+_STEP_PREFIX = "ProfilerStep#"
+# The share of the traced time a GPU may sit idle, not waiting for input, before the summary says
+# the host set the pace: below it, the gaps are the ordinary ones between dependent kernels.
+_HOST_PACED_SHARE = 0.25
 _SCALAR_READ = "aten::_local_scalar_dense"  # .item(), float(t), bool(t): a device read on an accelerator
 _HLO_SUFFIX = re.compile(r"(\.\d+|\.clone)+$")  # HLO instruction names: "convolution.1", "fusion.3.clone"
 
@@ -309,6 +318,8 @@ class StepTrace:
         # The first step's wait came before the window opened; the others fall inside it.
         traced = self._window_s + (self._waits[0] if self._waits else 0.0)
         ops, source = _top_ops(events, xla=self._xla)
+        # Waits inside the GPU's window: the first step's came before it opened.
+        device = None if self._xla else _device_activity(events, len(steps), sum(self._waits[1:]))
         summary: dict[str, Any] = {
             "requested": [self.start, self.stop],
             "steps": [steps[0], steps[-1]] if steps else [self.start, self.start],
@@ -328,6 +339,8 @@ class StepTrace:
             "top_ops": ops[:TOP_OPS],
             "transfers": transfers,
         }
+        if device is not None:
+            summary["device"] = device
         summary["notes"] = self._notes(summary, complete)
         if self._xla:
             summary["top_instructions"] = _top_ops(events, xla=True, group=False)[0][:TOP_OPS]
@@ -341,12 +354,17 @@ class StepTrace:
         # And at least 50 ms a gap: an evaluation or a checkpoint takes that; a few milliseconds
         # between tiny steps is the host's scheduling, nothing to act on.
         gaps = max(summary["num_steps"] - 1, 1)
-        if summary["between_steps_s"] > 0.5 * summary["traced_s"] and summary["between_steps_s"] >= 0.05 * gaps:
+        between = summary["between_steps_s"] > 0.5 * summary["traced_s"] and summary["between_steps_s"] >= 0.05 * gaps
+        if between:
             notes.append(
                 "more than half the traced time passed between steps, not in them or waiting for input: "
                 "an epoch's end (evaluation, checkpoint) or a checkpoint every few steps fell inside the "
                 "window; trace steps within one epoch to see the steps alone"
             )
+        device = summary.get("device")
+        paced = host_paced_note(device, transfers.get("scalar_reads", 0)) if device is not None and not between else None
+        if paced is not None:
+            notes.append(paced)
         if self._xla:
             notes.append(
                 "step time is host time (tracing and launching the graph); the device runs it "
@@ -397,6 +415,13 @@ def render_summary(summary: dict[str, Any], *, heading: str = "#", top: int = _T
         f"steps {summary['step_s']:.3f} s, waiting for input {summary['input_wait_s']:.3f} s "
         f"({100 * summary['input_wait_share']:.1f}%), between steps {summary['between_steps_s']:.3f} s"
     )
+    device = summary.get("device")
+    if device is not None:
+        lines.append(
+            f"- GPU busy: {100 * device['busy_share']:.1f}% of the traced steps' time (kernels, copies and memsets "
+            f"on any stream, overlaps counted once); {device['kernels_per_step']:.0f} kernels a step, "
+            f"{device['kernel_us_mean']:.1f} µs each on average"
+        )
     lines.append(f"- host-device transfers: {_describe_transfers(summary['transfers'], summary['backend'])}")
     lines += [f"- note: {n}" for n in summary.get("notes", [])]
     ops = summary["top_ops"][:top]
@@ -486,6 +511,84 @@ def _self_times(events: Iterable[dict[str, Any]]) -> Iterable[tuple[dict[str, An
                 own[stack[-1]] -= e["dur"]
             stack.append(i)
         yield from ((e, max(t, 0.0)) for e, t in zip(thread, own))
+
+
+def host_paced_note(device: dict[str, Any], reads: int) -> str | None:
+    """What the summary says of a GPU that sat idle, not waiting for input, for at least
+    ``_HOST_PACED_SHARE`` of the traced time (``device``: a summary's ``"device"``; ``reads``: the
+    device values the traced steps read on the host); ``None`` for one that was kept busy."""
+    if device["host_paced_share"] < _HOST_PACED_SHARE:
+        return None
+    return (
+        f"the GPU was busy {100 * device['busy_share']:.0f}% of the traced steps' time and they waited for "
+        f"input {100 * device['input_wait_share']:.0f}%; for the other {100 * device['host_paced_share']:.0f}% "
+        f"it had no work ready while the host ran the loop's Python and launched {device['kernels_per_step']:.0f} "
+        f"kernels a step ({device['kernel_us_mean']:.0f} µs of GPU time each on average)"
+        + (f" and read {reads} value(s) from the GPU, each of which waits for its queue to empty" if reads else "")
+        + ": the host set the pace. Fewer, larger kernels keep the GPU busy: compile=True fuses them, and a "
+        "larger batch, where training allows one, gives each more work"
+    )
+
+
+def _device_activity(events: list[dict[str, Any]], num_steps: int, input_wait_s: float) -> dict[str, Any] | None:
+    """How much of the traced steps' time the GPU worked, from a torch.profiler trace.
+
+    The window runs from the first step's start on the host to the end of the last device work
+    the steps launched (a launch is tied to its kernel or copy by the trace's ``correlation``
+    id). Busy is the time in it that at least one kernel, copy or memset ran, on any stream.
+    ``input_wait_s``: the loop's waits for batches inside the window. ``None`` when the trace holds
+    no device work launched in a step (a CPU run, or a device whose trace says no more).
+    """
+    spans = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation"
+             and str(e.get("name", "")).startswith(_STEP_PREFIX) and _timed(e)]
+    if not spans or num_steps < 1:
+        return None
+    spans.sort()
+    starts = [s for s, _ in spans]
+
+    def in_step(ts: float) -> bool:
+        i = bisect.bisect_right(starts, ts) - 1
+        return i >= 0 and ts <= spans[i][1]
+
+    launched = {_correlation(e) for e in events if e.get("cat") in _HOST_CALLS and _timed(e) and in_step(e["ts"])}
+    launched.discard(None)
+    work = [e for e in events if e.get("ph") == "X" and e.get("cat") in _DEVICE_WORK and _timed(e)]
+    own = [e for e in work if _correlation(e) in launched]
+    if not own:
+        return None
+    start = spans[0][0]
+    end = max(spans[-1][1], max(e["ts"] + e["dur"] for e in own))
+    busy, open_at, close_at = 0.0, start, start
+    for s, e in sorted((max(e["ts"], start), min(e["ts"] + e["dur"], end)) for e in work):
+        if e <= s:
+            continue  # outside the window
+        if s > close_at:
+            busy += close_at - open_at
+            open_at = s
+        close_at = max(close_at, e)
+    busy += close_at - open_at
+    window = end - start
+    kernels = [e["dur"] for e in own if e["cat"] == _KERNEL]
+    busy_share = busy / window if window > 0 else 0.0
+    wait_share = min(input_wait_s * 1e6 / window, 1.0) if window > 0 else 0.0
+    return {
+        "window_s": round(window / 1e6, 6),
+        "busy_s": round(busy / 1e6, 6),
+        "busy_share": round(busy_share, 4),
+        "input_wait_share": round(wait_share, 4),
+        # Idle and not waiting for input: the host had not yet launched the next work.
+        "host_paced_share": round(max(1.0 - busy_share - wait_share, 0.0), 4),
+        "kernels_per_step": round(len(kernels) / num_steps, 1),
+        "kernel_us_mean": round(sum(kernels) / len(kernels), 2) if kernels else 0.0,
+    }
+
+
+def _timed(e: dict[str, Any]) -> bool:
+    return isinstance(e.get("ts"), (int, float)) and isinstance(e.get("dur"), (int, float))
+
+
+def _correlation(e: dict[str, Any]) -> Any:
+    return (e.get("args") or {}).get("correlation")
 
 
 def _torch_transfers(events: list[dict[str, Any]], platform: str) -> dict[str, Any]:
