@@ -4,8 +4,8 @@
 # benchmark entries whose targets are still open (start-up, gpu_pipeline over 5 rounds, the 1.2B
 # LM), then the rest. Usage: bash benchmarks/gpu_run.sh OUT_DIR (from the repository root; xlatrain
 # is imported from src/, so nothing needs installing beyond torch and xlatrain's dependencies; the
-# PE recipe needs simplejpeg). The limits add up to about 10 minutes; GPU_RUN_ONLY_OPEN=1 stops after
-# the open targets (about 6).
+# PE recipe needs simplejpeg). The limits add up to about 11 minutes; GPU_RUN_ONLY_OPEN=1 stops after
+# the open targets (about 8).
 set -u
 out=${1:?usage: gpu_run.sh OUT_DIR}
 mkdir -p "$out"
@@ -21,6 +21,8 @@ step() {  # step SECONDS NAME COMMAND...
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
     $py -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name())'
     step 60 "gpu tests" $py -m pytest -q -m gpu -p no:cacheprovider -o addopts= tests
+    # Whether the PE recipe's step keeps the GPU busy or the host sets its pace (about 20 s packing).
+    step 45 "pe profile" $py benchmarks/cuda/pe_profile.py
     step 45 "startup on cuda" $py -c 'import json, benchmarks.startup as s; print("startup_cuda:", json.dumps(s._measure("cuda")))'
     XLATRAIN_GPU_PIPELINE_ROUNDS=5 step 100 gpu_pipeline $py -m benchmarks.run --only gpu_pipeline --out "$out/gpu.json"
     # On an H200: 35 s to the eager case's rounds, 89 s to the compiled one's (62 s compiling).
