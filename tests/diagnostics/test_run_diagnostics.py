@@ -64,6 +64,8 @@ def test_strict_raises_on_the_bad_loop_only(tmp_path):
 def test_a_clean_fit_compiles_only_its_warm_up_and_says_each_notice_once(tmp_path):
     clean, lines = _fit(tmp_path, "clean", "clean")
     assert clean["clean"] and clean["findings"] == [], clean["findings"]
+    assert lines[0] == ("diagnostics: clean (no recompilation after warm-up, no unplanned device reads, no CPU "
+                        "fallbacks, input wait not judged on XLA:CPU)")
     # Everything compiled in epoch 1, at the places a clean fit compiles: nothing was extra.
     events = clean["compilations"]
     assert events and all(e["epoch"] == 1 and e["graphs"] == e["expected"] for e in events), events
@@ -132,16 +134,26 @@ def test_a_ragged_batch_is_named_with_the_step_it_compiled_at(tmp_path):
     assert "Keep every batch one shape" in found["fix"]
 
 
-def test_waiting_for_input_on_the_native_cpu_is_a_finding(tmp_path):
-    slow, _ = _fit(tmp_path, "slow", "slow", accelerator="cpu")
+def test_waiting_for_input_on_the_native_cpu_is_a_finding_and_its_share_is_of_training_time(tmp_path):
+    # Training and validation both read slowly: each epoch is about half validation, which waits
+    # for no training batch.
+    slow, _ = _fit(tmp_path, "slow", "slow_val", accelerator="cpu")
     found = _finding(slow, "input-bound")
     assert re.match(r"\d+% of training time waited for input", found["title"]) and "num_workers" in found["fix"]
     assert slow["notes"] == [] and slow["compilations"] == []
+    epochs = slow["epochs"]
+    assert all(0 < e["input_wait_s"] <= e["train_s"] < 0.8 * e["wall_s"] for e in epochs), epochs
+    waited, trained = sum(e["input_wait_s"] for e in epochs), sum(e["train_s"] for e in epochs)
+    assert slow["input_bound_share"] == pytest.approx(waited / trained) and slow["input_bound_share"] > 0.6
+    assert f"in {trained:.1f} s of training steps" in found["evidence"]
 
+    # A clean report names what it looked at on this runtime, the share it measured, and what only
+    # XLA counts.
     clean, lines = _fit(tmp_path, "clean", "clean", accelerator="cpu")
     assert clean["clean"] and clean["findings"] == [] and clean["notes"] == []
-    assert lines == ["diagnostics: clean (no recompilation after warm-up, no unplanned device reads, no CPU "
-                     "fallbacks, not input-bound)"]
+    share = 100 * clean["input_bound_share"]
+    assert lines == [f"diagnostics: clean (input wait {share:.1f}% of training time; recompilations, device reads "
+                     "and CPU fallbacks are counted on XLA only)"]
 
 
 class _Runtime:

@@ -10,6 +10,7 @@ CAUSE is one of
   item    the loss calls .item() on a device tensor every training step
   ragged  a BatchSource whose last training batch of each epoch is short
   slow    an in-memory dataset that sleeps in __getitem__ (a loader slower than the step)
+  slow_val  slow, and its validation set as slow (an epoch's time is half validation)
   accumulate  clean, with gradients accumulated over two micro-batches per optimizer step
           (its warm-up spans the first four micro-batches)
 
@@ -114,8 +115,10 @@ def main() -> None:
     train, val = data, data
     if cause == "ragged":
         train = RaggedSource(images, labels)
-    elif cause == "slow":
+    elif cause in ("slow", "slow_val"):
         train = SlowImages(images, labels, delay_s=0.03)
+        if cause == "slow_val":
+            val = SlowImages(images, labels, delay_s=0.03)
     per_step = BATCH * (devices or 1)
     torch.manual_seed(0)
     model = Net(planted_gain=cause == "scalar", steps_per_epoch=NUM_SAMPLES // per_step, step_batch=per_step)

@@ -29,7 +29,7 @@ log = get_logger(__name__)
 MAX_CAUSES = 10  # distinct shape changes listed per phase; more are counted, not listed
 MAX_EVENTS = 500  # compilations kept with their step; more are counted, not kept
 MAX_LISTED = 12  # groups of compilations spelled out in a finding; more are counted
-INPUT_BOUND_SHARE = 0.5  # share of epoch time spent waiting for the next batch
+INPUT_BOUND_SHARE = 0.5  # share of training time (the steps and their batches' waits) spent waiting
 SMALL_TPU_BATCH = 64  # per-core batch below which a TPU core is mostly idle (bf16 MXU tiles)
 # What a clean fit compiles before it settles, counted in each phase's first pass. Measured on
 # XLA:CPU (tests/scripts/diag_fit.py clean and accumulate, one and two devices, checkpoints on):
@@ -64,6 +64,7 @@ class _Phase:
     passes: int = 0
     batches: int = 0
     wait_s: float = 0.0
+    active_s: float = 0.0  # from each pass's first request for a batch to its end: steps and waits
     changes: list[dict[str, Any]] = field(default_factory=list)
     num_changes: int = 0
 
@@ -133,6 +134,7 @@ class RunDiagnostics:
         self._first = self._snap
         self._planned = runtime.planned_reads
         self._wait_mark = 0.0
+        self._active_mark = 0.0
         self._epoch = 0  # the epoch being trained (evaluation belongs to it)
         self._first_epoch: int | None = None  # the first epoch of this fit (later when resumed)
         self._events: list[dict[str, Any]] = []  # one per place that compiled: step or between steps
@@ -267,11 +269,16 @@ class RunDiagnostics:
             planned = self._runtime.planned_reads
             return int(warm) + int(first_read)
 
+        asked = None  # when the loop last asked for a batch: the time since was its step's
         while True:
             t0 = time.perf_counter()
+            if asked is not None:
+                state.active_s += t0 - asked
+            asked = t0
             try:
                 batch = next(it)
             except StopIteration:
+                state.active_s += time.perf_counter() - t0
                 if step >= first_step:
                     self._probe(epoch, phase, step, inputs, allowed())
                 return
@@ -298,10 +305,14 @@ class RunDiagnostics:
         train = self._phases.get("train")
         waited = (train.wait_s if train else 0.0) - self._wait_mark
         self._wait_mark += waited
+        trained = (train.active_s if train else 0.0) - self._active_mark
+        self._active_mark += trained
         wall = now - self._epoch_started
         row: dict[str, Any] = {
-            "epoch": epoch, "wall_s": wall, "steps": self._train_steps, "input_wait_s": waited,
-            "input_bound_share": min(1.0, waited / wall) if wall > 0 else 0.0,
+            "epoch": epoch, "wall_s": wall, "train_s": trained, "steps": self._train_steps, "input_wait_s": waited,
+            # Of the training steps' time (their batches' waits included), not the epoch's:
+            # validation and checkpoints wait for no training batch.
+            "input_bound_share": min(1.0, waited / trained) if trained > 0 else 0.0,
         }
         if snap is not None and self._snap is not None:
             d = self._evidence.diff(self._snap, snap)
@@ -520,13 +531,12 @@ class RunDiagnostics:
                     "These ops have no XLA lowering: each call copies its inputs to the host and back. "
                     "Replace them (e.g. with an equivalent supported op) or move them out of the step.",
                 ))
-        train = self._phases.get("train")
-        wall = sum(e["wall_s"] for e in self._epochs)
+        share, waited, trained = self._input_share()
         # On XLA the wait includes the loader's step-boundary launch, so only a large share counts.
-        if self._input_wait_is_evidence() and train and wall > 0 and train.wait_s / wall > INPUT_BOUND_SHARE:
+        if self._input_wait_is_evidence() and share > INPUT_BOUND_SHARE:
             out.append(Finding(
-                "input-bound", f"{100 * train.wait_s / wall:.0f}% of training time waited for input",
-                f"{train.wait_s:.1f} s waiting for the next batch in {wall:.1f} s of epochs",
+                "input-bound", f"{100 * share:.0f}% of training time waited for input",
+                f"{waited:.1f} s waiting for the next batch in {trained:.1f} s of training steps",
                 "Feed faster: pack images into shards (`xlatrain pack`) and read them with ShardDataset, "
                 "raise num_workers, decode at the target size, send uint8 and normalise on the device.",
             ))
@@ -539,6 +549,31 @@ class RunDiagnostics:
                 f"Use batch_size >= {SMALL_TPU_BATCH} per core (scale_lr=True scales the learning rate).",
             ))
         return out
+
+    def _input_share(self) -> tuple[float, float, float]:
+        """The share of the epochs' training time spent waiting for a batch, the wait and that time."""
+        waited = sum(e["input_wait_s"] for e in self._epochs)
+        trained = sum(e["train_s"] for e in self._epochs)
+        return (min(1.0, waited / trained) if trained > 0 else 0.0), waited, trained
+
+    def _checked(self) -> tuple[list[str], list[str]]:
+        """What a clean report can say was looked at on this runtime, and what it could not count."""
+        checked, uncounted = [], []
+        if self._xla or self._compile is not None:
+            checked.append("no recompilation after warm-up" + ("" if self._xla else " (torch.compile)"))
+        elif self._compiles_per_shape():
+            checked.append("one input shape throughout (each new one would compile on TorchTPU)")
+        else:
+            uncounted.append("recompilations")
+        if self._xla:
+            checked += ["no unplanned device reads", "no CPU fallbacks"]
+        else:
+            uncounted += ["device reads", "CPU fallbacks"]
+        if self._input_wait_is_evidence():
+            checked.append(f"input wait {100 * self._input_share()[0]:.1f}% of training time")
+        else:
+            checked.append("input wait not judged on XLA:CPU")
+        return checked, uncounted
 
     def _compiles_per_shape(self) -> bool:
         """Whether each new input shape compiles a new graph here: on XLA, and on TorchTPU (whose
@@ -626,7 +661,7 @@ class RunDiagnostics:
         report = {
             "clean": not findings,
             "compile_share": sum(e.get("compile_s", 0.0) for e in self._epochs) / wall,
-            "input_bound_share": sum(e["input_wait_s"] for e in self._epochs) / wall,
+            "input_bound_share": self._input_share()[0],
             "input_wait_is_evidence": self._input_wait_is_evidence(),
             "findings": [asdict(f) for f in findings],
             "notes": notes,
@@ -646,9 +681,10 @@ class RunDiagnostics:
                 for f in findings:
                     log.info(f"  - {f.title}: {f.evidence}\n    fix: {f.fix}")
             else:
-                judged = "not input-bound" if self._input_wait_is_evidence() else "input wait not judged here"
-                log.info(f"diagnostics: clean (no recompilation after warm-up, no unplanned device reads, "
-                         f"no CPU fallbacks, {judged})")
+                checked, uncounted = self._checked()
+                counted_where = f"; {', '.join(uncounted[:-1])} and {uncounted[-1]} are counted on XLA only" \
+                    if len(uncounted) > 1 else (f"; {uncounted[0]} are counted on XLA only" if uncounted else "")
+                log.info(f"diagnostics: clean ({', '.join(checked)}{counted_where})")
             for note in notes:
                 log.info(f"  note: {note}")
         return report
