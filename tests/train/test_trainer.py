@@ -1,5 +1,6 @@
 import csv
 import functools
+import warnings
 import json
 import math
 import logging
@@ -174,6 +175,47 @@ def test_an_unknown_monitor_names_the_columns(tmp_path):
         trainer.fit(_classification(32), _classification(10))
     # Refused before the first step: nothing was trained or written.
     assert not (tmp_path / "run" / "history.json").exists() and not list(tmp_path.glob("run/checkpoints/*"))
+
+
+def test_a_monitor_only_metrics_fn_can_name_is_said_before_training_and_checked_after_the_first_validation(
+        tmp_path, caplog, recwarn):
+    caplog.set_level(logging.INFO, logger="xlatrain")
+
+    def metrics_fn(outputs, targets):
+        if len(targets) < 3:
+            warnings.warn("too few rows for a score")  # the dry run's two rows: not the run's warning
+        return {"f1": 0.5}
+
+    def fit(monitor):
+        caplog.clear()
+        trainer = Trainer(_mlp(), nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1), metrics_fn=metrics_fn,
+                          config=TrainConfig(epochs=2, batch_size=8, run_dir=str(tmp_path / monitor), monitor=monitor,
+                                             monitor_mode="max"), backend="cpu")
+        return trainer.fit(_classification(32), _classification(10))
+
+    # metrics_fn runs on two validation rows before training: its names are known then.
+    assert len(fit("val_f1")) == 2 and "note: monitor=" not in caplog.text
+    with pytest.raises(ValueError, match=r"monitor='val_f2' is not a history column; available: .*val_f1"):
+        fit("val_f2")
+    note = next(r for r in caplog.records if r.getMessage().startswith("note: monitor='val_f2'"))
+    header = next(r for r in caplog.records if r.getMessage().startswith("model FLOPs"))
+    assert caplog.records.index(note) < caplog.records.index(header)  # said with the header, before the first step
+    assert "metrics_fn returned f1 on two validation rows" in note.getMessage()
+    assert "val_accuracy" in note.getMessage() and "stops the run there" in note.getMessage()
+    assert not [w for w in recwarn if "too few rows" in str(w.message)]
+
+    def raising(outputs, targets):
+        if len(targets) < 3:
+            raise ValueError("needs both classes")
+        return {"f1": 0.5}
+
+    caplog.clear()
+    trainer = Trainer(_mlp(), nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1), metrics_fn=raising,
+                      config=TrainConfig(epochs=1, batch_size=8, run_dir=str(tmp_path / "raising"), monitor="val_f1",
+                                         monitor_mode="max"), backend="cpu")
+    assert trainer.fit(_classification(32), _classification(10))[-1]["val_f1"] == 0.5  # what it raised on two rows is not the run's
+    assert "note: monitor='val_f1': it is not among the columns known before training" in caplog.text
+    assert "must come from metrics_fn (as val_<name>)" in caplog.text
 
 
 def test_functional_losses_with_a_reduction_argument_evaluate(tmp_path):

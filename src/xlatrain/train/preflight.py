@@ -4,7 +4,7 @@ and computes. Whatever cannot work fails here, with its cause, and not after an 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -187,11 +187,14 @@ def _validation_batch(trainer: Trainer, val_data: Any) -> None:
             if trainer.task != "none" or trainer.config.top_k:
                 check_task(trainer.task, as_float(predictions), targets, trainer.config.top_k,
                            task_given=trainer.config.task != "auto")
+        trainer._metric_names = None
         if not isinstance(val_data, BatchSource):
-            # metrics_fn is not called on these rows (two rows may not be enough for it, and a
-            # streaming metric would keep them); its rows are gathered as they will be.
-            metrics_fn = None if trainer.metrics_fn is None or is_streaming(trainer.metrics_fn) else _no_metrics
-            trainer._evaluate(_Head(val_data, 2), metrics_fn, forward=model)
+            # A streaming metric is not fed these rows (it would keep them). A metrics_fn function
+            # is called on them for the names it returns, which the monitor is checked against; two
+            # rows may not be enough for it, so what it raises or warns is not the run's.
+            probe = None if trainer.metrics_fn is None or is_streaming(trainer.metrics_fn) else _NamesOf(trainer.metrics_fn)
+            trainer._evaluate(_Head(val_data, 2), probe, forward=model)
+            trainer._metric_names = probe.names if probe is not None else None
     except ValueError as exc:
         raise ValueError(f"a dry run on one validation batch, before training: {exc}") from None
     except Exception as exc:
@@ -203,8 +206,23 @@ def _validation_batch(trainer: Trainer, val_data: Any) -> None:
         model.train(was_training)
 
 
-def _no_metrics(outputs: Any, targets: Any) -> dict[str, float]:
-    return {}
+class _NamesOf:
+    """A metrics_fn called for the names it returns, nothing else: ``names`` stays ``None`` where
+    it raised or returned no mapping; the columns it gives the dry run are none."""
+
+    def __init__(self, metrics_fn: Any) -> None:
+        self.metrics_fn, self.names = metrics_fn, None
+
+    def __call__(self, outputs: Any, targets: Any) -> dict[str, float]:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                found = self.metrics_fn(outputs, targets)
+        except Exception:  # noqa: BLE001 - two rows may be too few for it: the first validation will tell
+            return {}
+        if isinstance(found, Mapping):
+            self.names = [str(k) for k in found]
+        return {}
 
 
 def _eval_loss(trainer: Trainer, outputs: Any, predictions: Any, targets: Any) -> EvalLoss:
@@ -363,6 +381,22 @@ def check_monitor(trainer: Trainer, val_data: Any | None) -> None:
         or (trainer.task == "multilabel" and trainer.label_names is None
             and monitor.startswith(("val_auc_", "val_ema_auc_")))
     )
+    names = getattr(trainer, "_metric_names", None)
+    if names is not None:  # what metrics_fn returned on two validation rows
+        returned = {f"val_{n}" for n in names}
+        columns |= returned | ({"val_ema_" + c.removeprefix("val_") for c in returned} if cfg.ema_decay is not None else set())
+    if monitor not in columns and unknowable:
+        if names is not None:
+            said = (f"metrics_fn returned {', '.join(sorted(names)) or 'no metric'} on two validation rows, so the "
+                    f"columns known before training are {', '.join(sorted(columns))}")
+        else:
+            source = "metrics_fn (as val_<name>)" if trainer.metrics_fn is not None else "the labels' AUCs (val_auc_<index>)"
+            said = (f"it is not among the columns known before training ({', '.join(sorted(columns))}) and must come "
+                    f"from {source}")
+        trainer._say(
+            f"note: monitor={monitor!r}: {said}; the history's columns are known once the first validation, after "
+            "epoch 1, has run, and a monitor not among them stops the run there"
+        )
     if monitor not in columns and not unknowable:
         raise ValueError(
             f"monitor={monitor!r} is not a column this run's history will have; it will have "
