@@ -213,7 +213,8 @@ def test_a_monitor_only_metrics_fn_can_name_is_said_before_training_and_checked_
     trainer = Trainer(_mlp(), nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1), metrics_fn=raising,
                       config=TrainConfig(epochs=1, batch_size=8, run_dir=str(tmp_path / "raising"), monitor="val_f1",
                                          monitor_mode="max"), backend="cpu")
-    assert trainer.fit(_classification(32), _classification(10))[-1]["val_f1"] == 0.5  # what it raised on two rows is not the run's
+    # What it raised on the dry run's two rows is not the run's.
+    assert trainer.fit(_classification(32), _classification(10))[-1]["val_f1"] == 0.5
     assert "note: monitor='val_f1': it is not among the columns known before training" in caplog.text
     assert "must come from metrics_fn (as val_<name>)" in caplog.text
 
