@@ -710,3 +710,12 @@ def test_a_disk_that_fills_mid_run_stops_with_the_space_named_and_the_last_check
     assert "epoch 1/4" in proc.stdout  # it trained before the disk filled
     after = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("AFTER ")][0][len("AFTER "):])
     assert after == {"latest": named.group(1), "temporaries": []}  # it is there, it verifies, nothing half-written
+
+
+def test_fit_names_the_best_weights_only_where_it_wrote_them(tmp_path):
+    status, out = fit_cli("trainer.save_best=false")(tmp_path / "nobest")
+    assert status == 0 and f"history: {tmp_path / 'nobest'}/history.csv" in out and "best weights" not in out
+    assert not (tmp_path / "nobest" / "best.safetensors").exists()
+    status, out = fit_cli()(tmp_path / "best")
+    assert status == 0 and f"best weights: {tmp_path / 'best'}/best.safetensors" in out
+    assert (tmp_path / "best" / "best.safetensors").exists()

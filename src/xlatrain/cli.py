@@ -50,7 +50,9 @@ def _fit(args: argparse.Namespace) -> int:
     resume: bool | str = False if args.fresh else ("overwrite" if args.overwrite else (args.resume or "auto"))
     trainer, history = run(config, resume=resume)
     if trainer.backend.is_main and history:
-        print(f"history: {trainer.run_location}/history.csv  best weights: {trainer.run_location}/best.safetensors")
+        best = (trainer.run_dir / "best.safetensors").exists()  # none under save_best=False
+        print(f"history: {trainer.run_location}/history.csv"
+              + (f"  best weights: {trainer.run_location}/best.safetensors" if best else ""))
     return 0
 
 
