@@ -78,6 +78,25 @@ def test_profile_steps_trace_the_chosen_steps_and_change_no_number(tmp_path):
     assert "aten::addmm" in trace.read_text()
 
 
+def test_a_profile_window_the_run_cannot_reach_is_said_before_the_first_step(tmp_path, caplog):
+    caplog.set_level("INFO", logger="xlatrain")
+    _trainer(tmp_path / "late", profile_steps=(25, 30)).fit(_data(40), _data(12, 1))  # 2 epochs of 10 steps
+    said = [r.getMessage() for r in caplog.records]
+    note = next(i for i, m in enumerate(said) if m.startswith(
+        "note: profile_steps=(25, 30) lies past this run's last step, 20 (2 epoch(s) x 10 steps): nothing will be traced"))
+    assert note < next(i for i, m in enumerate(said) if m.startswith("epoch 1/2"))  # before the first step
+    assert not (tmp_path / "late" / "profile").exists()
+
+    caplog.clear()
+    _trainer(tmp_path / "tail", profile_steps=(18, 30)).fit(_data(40), _data(12, 1))  # reaches 18-20
+    assert "note: profile_steps" not in caplog.text
+    assert json.loads((tmp_path / "tail" / "profile" / "summary.json").read_text())["steps"] == [18, 20]
+
+    caplog.clear()  # three epochs, going on after the two above: steps 21-30
+    _trainer(tmp_path / "tail", epochs=3, profile_steps=(3, 6)).fit(_data(40), _data(12, 1), resume="auto")
+    assert "note: profile_steps=(3, 6) ran before this run resumed at step 21: nothing will be traced" in caplog.text
+
+
 def test_a_compiled_fit_reports_a_graph_break_by_file_and_line(tmp_path):
     class Chatty(nn.Linear):
         def forward(self, x):

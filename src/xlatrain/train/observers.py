@@ -128,6 +128,21 @@ class TensorBoardObserver:
             self._log.hparams(self._config, {**final, **best}, step=cursor.global_step)
 
 
+def untraced_note(config: Any, per_epoch: int, epoch: int, step: int) -> str | None:
+    """What to say of a ``profile_steps`` window (steps counted over the run) that a fit of
+    ``config.epochs`` epochs of ``per_epoch`` steps, going on from ``epoch``'s step ``step``,
+    cannot reach; ``None`` where it reaches at least one of its steps."""
+    first, last = config.profile_steps
+    total, done = config.epochs * per_epoch, (epoch - 1) * per_epoch + step
+    if first > total:
+        return (f"note: profile_steps=({first}, {last}) lies past this run's last step, {total} ({config.epochs} "
+                f"epoch(s) x {per_epoch} steps): nothing will be traced; name steps from 1 to {total}")
+    if last <= done:
+        return (f"note: profile_steps=({first}, {last}) ran before this run resumed at step {done + 1}: nothing "
+                "will be traced; name later steps")
+    return None
+
+
 class TraceObserver:
     """The profiler trace of the steps ``profile_steps`` names, counted over the run."""
 

@@ -54,7 +54,8 @@ from xlatrain.train.feed import TrainFeed, channels_last_choice, eval_batches, t
 from xlatrain.train.losses import EvalLoss
 from xlatrain.train.metrics import EvalAccumulator, RowCollector, as_float, default_monitor, infer_task
 from xlatrain.train.model_io import ForwardSignature, ModelIO, no_grad_message
-from xlatrain.train.observers import DiagnosticsObserver, Observers, ProgressObserver, TensorBoardObserver, TraceObserver
+from xlatrain.train.observers import (DiagnosticsObserver, Observers, ProgressObserver, TensorBoardObserver,
+                                      TraceObserver, untraced_note)
 from xlatrain.train.preflight import DoesNotFitError
 from xlatrain.train.resumable import StopSignals
 from xlatrain.train.run_dir import RunDirectory, writing
@@ -544,6 +545,8 @@ class Trainer:
             TensorBoardLog(self.run_dir, enabled=cfg.tensorboard, is_main=st.is_main, start_step=cursor.global_step))
         if tb.enabled:
             own.append(TensorBoardObserver(tb, self._config_record))
+        if cfg.profile_steps and (note := untraced_note(cfg, self._feed.steps_per_epoch, *cursor.next_position())):
+            self._say(note)  # before the first step: a trace asked for is not left out silently
         if cfg.profile_steps:
             own.append(TraceObserver(run.enter_context(contextlib.closing(StepTrace(
                 self.run_dir, cfg.profile_steps, trace_kind=rt.trace_kind, is_main=st.is_main, platform=rt.platform)))))
