@@ -719,3 +719,22 @@ def test_fit_names_the_best_weights_only_where_it_wrote_them(tmp_path):
     status, out = fit_cli()(tmp_path / "best")
     assert status == 0 and f"best weights: {tmp_path / 'best'}/best.safetensors" in out
     assert (tmp_path / "best" / "best.safetensors").exists()
+
+
+def test_a_demo_run_again_trains_nothing_says_so_and_starts_over_with_fresh_or_overwrite(tmp_path):
+    run_dir = str(tmp_path / "demo")
+    demo = ("demo", "--run-dir", run_dir, "--epochs", "1", "--min-accuracy", "0", "--accelerator", "cpu")
+    status, out = cli(*demo)
+    assert status == 0 and f"wrote {run_dir}/history.csv" in out
+    status, out = cli(*demo)
+    assert status == 0 and "nothing to train" in out and "--fresh or --overwrite on the command line" in out
+    assert f"nothing trained, {run_dir}'s files are as they were" in out and "wrote" not in out
+    status, out = cli(*demo, "--overwrite")
+    assert status == 0 and f"wrote {run_dir}/history.csv" in out and "nothing to train" not in out
+    status, out = cli(*demo, "--fresh", "--overwrite")
+    assert status == 2 and "not allowed with" in out
+    # The PE demo takes the same flags (a missing config stops it before any work).
+    from xlatrain.recipes.pe_detection.demo import main as pe_demo
+
+    with pytest.raises(ValueError, match="nope.yaml"):
+        pe_demo([str(tmp_path / "nope.yaml"), "--fresh"])

@@ -7,6 +7,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from xlatrain.config import ACCELERATORS
 
@@ -29,7 +30,8 @@ def _demo(args: argparse.Namespace) -> int:
         if run_dir != DEMO_RUN_DIR and _first_process():
             print(launch_note(run_dir, DEMO_RUN_DIR, accelerator=args.accelerator, devices=args.devices,
                               processes=processes, how_to_name="--run-dir DIR"))
-    last = run_demo(run_dir=run_dir, epochs=args.epochs, accelerator=args.accelerator, devices=args.devices)
+    last = run_demo(run_dir=run_dir, epochs=args.epochs, accelerator=args.accelerator, devices=args.devices,
+                    resume=start_over(args))
     return 0 if last["val_accuracy"] >= args.min_accuracy else 1
 
 
@@ -47,8 +49,7 @@ def _fit(args: argparse.Namespace) -> int:
     if note and _first_process():
         print(note)
 
-    resume: bool | str = False if args.fresh else ("overwrite" if args.overwrite else (args.resume or "auto"))
-    trainer, history = run(config, resume=resume)
+    trainer, history = run(config, resume=start_over(args))
     if trainer.backend.is_main and history:
         best = (trainer.run_dir / "best.safetensors").exists()  # none under save_best=False
         print(f"history: {trainer.run_location}/history.csv"
@@ -99,6 +100,21 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_start_over(parser: argparse.ArgumentParser) -> Any:
+    """``--fresh`` and ``--overwrite``, either of them: a run directory whose run is done (or was
+    made with other settings) is otherwise resumed; what ``start_over`` turns into ``resume``."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--fresh", action="store_true", help="start over in a new run directory (this one is kept)")
+    group.add_argument("--overwrite", action="store_true",
+                       help="start over in this run directory, deleting the earlier run's files in it")
+    return group
+
+
+def start_over(args: argparse.Namespace) -> bool | str:
+    """``Trainer.fit``'s ``resume`` for ``--fresh`` / ``--overwrite`` / ``--resume PATH`` / none of them."""
+    return False if args.fresh else ("overwrite" if args.overwrite else (getattr(args, "resume", None) or "auto"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="xlatrain", description=__doc__,
@@ -117,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--min-accuracy", type=float, default=0.95, help="exit non-zero below this final val accuracy"
     )
+    add_start_over(demo)
     demo.set_defaults(func=_demo)
 
     fit = sub.add_parser(
@@ -133,11 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
         help="override one key, e.g. --set trainer.epochs=3 --set backend.accelerator=xla (repeatable)",
     )
-    group = fit.add_mutually_exclusive_group()
+    group = add_start_over(fit)
     group.add_argument("--resume", metavar="PATH", help="continue from this checkpoint, or from a run directory's newest")
-    group.add_argument("--fresh", action="store_true", help="start over in a new run directory (this one is kept)")
-    group.add_argument("--overwrite", action="store_true",
-                       help="start over in this run directory, deleting the earlier run's files in it")
     fit.set_defaults(func=_fit)
 
     from xlatrain.data.pack_cli import add_pack_parser

@@ -109,8 +109,11 @@ def run_demo(
     accelerator: str = "auto",
     devices: int | None = None,
     seed: int = 0,
+    resume: bool | str = "auto",
 ) -> dict[str, Any]:
-    """Train the digits CNN (the ``digits`` recipe); returns the last history row."""
+    """Train the digits CNN (the ``digits`` recipe); returns the last history row. ``resume`` is
+    ``Trainer.fit``'s: a finished run in ``run_dir`` is left as it is unless it is ``False`` or
+    ``"overwrite"``."""
     from xlatrain.recipes.run import run  # run builds Trainers for every recipe, this one included
 
     config = RunConfig(
@@ -122,13 +125,15 @@ def run_demo(
         trainer=TrainConfig(epochs=epochs, batch_size=batch_size, seed=seed, log_every=20, run_dir=run_dir),
         backend=BackendConfig(accelerator=accelerator, devices=devices),
     )
-    trainer, history = run(config)
+    trainer, history = run(config, resume=resume)
     if trainer.backend.is_main:
+        where = run_dir
         plot = plot_loss_curve(run_dir, history)
         best = max(history, key=lambda r: r["val_accuracy"])
         log.info(
             f"final validation accuracy {history[-1]['val_accuracy']:.4f} "
             f"(best {best['val_accuracy']:.4f} at epoch {best['epoch']}); "
-            f"wrote {run_dir}/history.csv, {run_dir}/best.safetensors, {plot}"
+            + (f"wrote {where}/history.csv, {where}/best.safetensors, {plot}" if trainer.epochs_trained else
+               f"nothing trained, {where}'s files are as they were ({plot} drawn again)")
         )
     return history[-1]

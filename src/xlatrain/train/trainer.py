@@ -523,7 +523,7 @@ class Trainer:
         elif cursor.next_position()[0] > cfg.epochs:
             self._say(
                 f"all {cfg.epochs} epoch(s) of this run are done: nothing to train. Raise epochs to train "
-                "on, or start over (resume=False; --fresh on the command line)."
+                "on, or start over (resume=False or 'overwrite'; --fresh or --overwrite on the command line)."
             )
         elif self._resumed_from is not None:
             epoch, step = cursor.next_position()

@@ -1,6 +1,6 @@
 """``make pe-demo``: train the PE recipe on generated data and compare it with the prior baseline.
 
-    python -m xlatrain.recipes.pe_detection.demo [CONFIG.yaml] [--set key=value ...]
+    python -m xlatrain.recipes.pe_detection.demo [CONFIG.yaml] [--set key=value ...] [--fresh | --overwrite]
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import argparse
 import os
 import sys
 
+from xlatrain.cli import add_start_over, start_over
 from xlatrain.config import load_run_config
 from xlatrain.recipes.pe_detection.recipe import baseline
 from xlatrain.recipes.run import run, with_launch_run_dir
@@ -18,11 +19,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config", nargs="?", default="configs/pe_detection.yaml")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    add_start_over(parser)
     args = parser.parse_args(argv)
     config, note = with_launch_run_dir(load_run_config(args.config, args.set), args.config, args.set)
     if note and os.environ.get("RANK", "0") == "0":
         print(note)
-    trainer, history = run(config)
+    trainer, history = run(config, resume=start_over(args))
     if not trainer.backend.is_main:
         return 0
     prior = baseline(config)
