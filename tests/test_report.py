@@ -130,3 +130,22 @@ def test_runs_from_config_files_are_told_apart_by_every_key_that_differs_and_nam
     for name in record["plots"]:
         _assert_drawn(out / name)
     assert "| `model.width` | 8 | 4 |" in (out / "summary.md").read_text()
+
+    # A key only one run's config.yaml names (the other took its recipe's default, which its files
+    # do not say) is listed apart, not as a difference.
+    import yaml
+
+    path = tmp_path / "b" / "run" / "config.yaml"
+    config = yaml.safe_load(path.read_text())
+    assert config.pop("data") == {"image_size": 16}  # b's data section as if nothing had been set
+    path.write_text(yaml.safe_dump(config))
+    for meta in (tmp_path / "b" / "run" / "checkpoints").glob("*/meta.json"):  # the checkpoints record it too
+        record = json.loads(meta.read_text())
+        record["config"].pop("data", None)
+        meta.write_text(json.dumps(record))
+    out = write_comparison([tmp_path / "a" / "run", tmp_path / "b" / "run"], out_dir=tmp_path / "partly")
+    record, summary = json.loads((out / "comparison.json").read_text()), (out / "summary.md").read_text()
+    assert record["differing"] == {"model.width": [8, 4], "optimizer.lr": [0.003, 0.001]}
+    assert record["recorded_by_some"] == {"data.image_size": [16, None]}
+    assert "Recorded by only some runs" in summary and "| `data.image_size` | 16 | not recorded |" in summary
+    assert "data.image_size" not in record["runs"][0]["label"]

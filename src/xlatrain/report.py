@@ -174,7 +174,7 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
 
     def lr(ax: Any) -> None:
         ax.plot(epochs, series("lr"), marker="o")
-        ax.set(xlabel="epoch", ylabel="learning rate", title="learning rate")
+        ax.set(xlabel="epoch", ylabel="learning rate", title="learning rate at the start of each epoch")
 
     def timing(ax: Any) -> None:
         ax.plot(epochs, series("epoch_time_s"), marker="o", label="epoch time (s)")
@@ -194,7 +194,10 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
     if best is not None:
         lines += [f"- best epoch: {best['epoch']} of {len(rows)} ({monitor} = {best[monitor]:.4f}, {mode})"]
     last = rows[-1]
-    lines += ["- last epoch: " + ", ".join(f"{k} {v:.4f}" for k, v in last.items() if isinstance(v, float))]
+    # The learning rate is the epoch's first step's (a schedule moves it within the epoch); it can
+    # be far under 1e-4, so it keeps its significant digits.
+    lines += ["- last epoch: " + ", ".join(f"lr at the epoch's start {v:.3g}" if k == "lr" else f"{k} {v:.4f}"
+                                           for k, v in last.items() if isinstance(v, float))]
     if "xla_compilations" in last:
         growth = last["xla_compilations"] - rows[0]["xla_compilations"]
         lines += [f"- XLA compilations: {rows[0]['xla_compilations']} in epoch 1, {growth} after it"]
@@ -225,6 +228,10 @@ def _memory_and_throughput(report: dict[str, Any], last: dict[str, Any]) -> list
         return []
     lines = ["", "## Memory and throughput", ""]
     if memory:
+        if memory.get("measured_step") is not None:  # the plan the header gave: a measured step, the state beside it
+            lines.append(f"- memory per device, planned before the first step: {human_bytes(memory['plan'])} (one "
+                         f"forward and backward at batch {memory['batch_per_device']} measured "
+                         f"{human_bytes(memory['measured_step'])}, optimizer state {human_bytes(memory['optimizer'])})")
         line = (f"- memory per device, estimated before the first step: {human_bytes(memory['estimate'])} (parameters "
                 f"{human_bytes(memory['parameters'])}, gradients {human_bytes(memory['gradients'])}, optimizer state "
                 f"{human_bytes(memory['optimizer'])}, activations {human_bytes(memory['activations'])} at batch "
@@ -275,7 +282,7 @@ _MISSING = object()  # a key one run's config lacks: unlike any value, None incl
 
 def _show(value: Any) -> str:
     if value is _MISSING:
-        return "-"
+        return "not recorded"
     if isinstance(value, float):
         return f"{value:g}"
     if isinstance(value, (list, tuple, dict)) or value is None:
@@ -337,8 +344,11 @@ def write_comparison(run_dirs: Sequence[str | Path], out_dir: str | Path | None 
         runs.append({"dir": d, "name": name, "rows": rows, "config": flatten_keys(config, lambda name, value: bool(value)), "source": source,
                      "monitor": monitor, "mode": mode, "scores": _scores(rows, monitor, mode)})
     keys = sorted({k for r in runs for k in r["config"]} - _SAME_BY_NATURE)
-    differing = [k for k in keys if any(not _same(r["config"].get(k, _MISSING), runs[0]["config"].get(k, _MISSING))
-                                        for r in runs[1:])]
+    # A key some runs' configs lack: those ran with whatever default their recipe or code had,
+    # which the files do not say, so whether the runs differ in it is not known.
+    partly = [k for k in keys if any(k not in r["config"] for r in runs)]
+    differing = [k for k in keys if k not in partly and any(not _same(r["config"][k], runs[0]["config"][k])
+                                                            for r in runs[1:])]
     for r in runs:
         shown = ", ".join(f"{k}={_show(r['config'].get(k, _MISSING))}" for k in differing[:_MAX_LABEL_KEYS])
         more = "…" if len(differing) > _MAX_LABEL_KEYS else ""
@@ -357,12 +367,19 @@ def write_comparison(run_dirs: Sequence[str | Path], out_dir: str | Path | None 
     elif not any(r["config"] for r in runs):
         lines += ["", "No run recorded its config (config.yaml or a checkpoint): the runs are named by directory only."]
     else:
-        lines += ["", "The runs' recorded configs are the same (apart from run_dir)."]
+        lines += ["", "The keys every run recorded are the same in all (apart from run_dir)."]
+    if partly and any(r["config"] for r in runs):
+        lines += ["", "Recorded by only some runs (the others took a default their files do not name, so whether "
+                  "they differ is not known): " + ", ".join(f"`{k}`" for k in partly) + "."]
     lines += ["", "## Best metrics and times", "", *table]
     if differing:
         lines += ["", "## Config keys that differ", "", "| key | " + " | ".join(r["name"] for r in runs) + " |",
                   "|---|" + "---|" * len(runs)]
         lines += [f"| `{k}` | " + " | ".join(_show(r["config"].get(k, _MISSING)) for r in runs) + " |" for k in differing]
+    if partly and any(r["config"] for r in runs):
+        lines += ["", "## Config keys only some runs recorded", "", "| key | " + " | ".join(r["name"] for r in runs) + " |",
+                  "|---|" + "---|" * len(runs)]
+        lines += [f"| `{k}` | " + " | ".join(_show(r["config"].get(k, _MISSING)) for r in runs) + " |" for k in partly]
     lines += ["", "## Plots", ""] + [f"![{n}]({n})" for n in plots] + [""]
     atomic_write_text(out / "summary.md", "\n".join(lines))
     record = {
@@ -371,7 +388,10 @@ def write_comparison(run_dirs: Sequence[str | Path], out_dir: str | Path | None 
              "epochs": len(r["rows"]), "monitor": r["monitor"], "mode": r["mode"], **r["scores"]}
             for r in runs
         ],
-        "differing": {k: [None if (v := r["config"].get(k, _MISSING)) is _MISSING else v for r in runs] for k in differing},
+        "differing": {k: [r["config"][k] for r in runs] for k in differing},
+        # None: the run's config does not record the key
+        "recorded_by_some": {k: [None if (v := r["config"].get(k, _MISSING)) is _MISSING else v for r in runs]
+                             for k in partly},
         "plots": list(plots),
     }
     atomic_write_text(out / "comparison.json", json.dumps(record, indent=1, default=str) + "\n")
