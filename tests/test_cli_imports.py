@@ -40,3 +40,10 @@ def test_import_xlatrain_is_light_until_a_name_is_used():
         "assert 'torch' in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", source], check=True, timeout=300)
+
+
+def test_python_m_xlatrain_is_the_xlatrain_command():
+    proc = subprocess.run([sys.executable, "-m", "xlatrain", "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "usage: xlatrain" in proc.stdout and "demo" in proc.stdout, proc.stderr[-2000:]
+    proc = subprocess.run([sys.executable, "-m", "xlatrain", "nope"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "invalid choice: 'nope'" in proc.stderr

@@ -204,3 +204,15 @@ def test_the_last_step_is_drawn_however_soon_it_follows_the_last_redraw() -> Non
     os.close(main_fd)
     frames = [f for f in re.split(rb"\r", drawn) if f.startswith(b"epoch 1 step ")]
     assert frames[0].startswith(b"epoch 1 step 0/3 ") and frames[-1].startswith(b"epoch 1 step 3/3 "), frames
+
+
+def test_the_epoch_line_says_its_rates_are_the_training_steps_and_its_time_the_whole_epochs():
+    from xlatrain.progress import epoch_line
+
+    row = {"epoch": 2, "train_loss": 0.5, "val_loss": 0.6, "epoch_time_s": 3.6, "samples_per_s": 556.0,
+           "tokens_per_s": 71168.0, "mfu": 0.1, "warmup_s": 0.4}
+    assert epoch_line(row, 12, "val_loss", True) == (
+        "epoch 2/12  train_loss 0.5000  val_loss 0.6000  3.6s with validation (first steps 0.4s, left out of the "
+        "rates)  training 556 samples/s  71,168 tokens/s  MFU 10.0%  (best val_loss)")
+    without = {k: v for k, v in row.items() if k not in ("val_loss", "warmup_s", "tokens_per_s", "mfu")}
+    assert epoch_line(without, 12, "train_loss", False) == "epoch 2/12  train_loss 0.5000  3.6s  training 556 samples/s"

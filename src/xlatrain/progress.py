@@ -179,7 +179,7 @@ class EpochProgress:
         """Show one measured interval: a line, or the bar's figures (no rate for a warm-up interval)."""
         note = f"  ({nonfinite} non-finite steps)" if nonfinite > 0 else ""
         if samples_per_s is None:
-            rate_text = "warm-up (no rate: compiling and first steps)"
+            rate_text = "warm-up (no rate: the first steps, compilations included, are timed apart)"
         else:
             extra = self._rate_note(samples_per_s) if self._rate_note is not None else ""
             rate_text = f"{format_rate(samples_per_s)} samples/s" + (f", {extra}" if extra else "")
@@ -269,9 +269,12 @@ def epoch_line(row: Mapping[str, Any], epochs: int, monitor: str, improved: bool
     """The line that ends an epoch: its losses and metrics, time, rates and MFU."""
     shown = [f"{k} {v:.4f}" for k, v in row.items() if k.startswith(("train_", "val_")) and "auc_" not in k]
     star = f"  (best {monitor})" if improved else ""
-    rate = "".join(f"  {format_rate(row[k])} {unit}" for k, unit in (("samples_per_s", "samples/s"),
-                                                                     ("tokens_per_s", "tokens/s")) if k in row)
+    # The rates are the training steps' (validation has none), the time the epoch's whole.
+    rate = "".join(f"  {'training ' if not i else ''}{format_rate(row[k])} {unit}" for i, (k, unit) in enumerate(
+        (k, unit) for k, unit in (("samples_per_s", "samples/s"), ("tokens_per_s", "tokens/s")) if k in row))
     rate += f"  MFU {100 * row['mfu']:.1f}%" if "mfu" in row else ""
     # Rates leave the fit's first steps out: their time (compiling, first allocations) is said apart.
     warm = f" (first steps {row['warmup_s']:.1f}s, left out of the rates)" if "warmup_s" in row else ""
-    return f"epoch {row['epoch']}/{epochs}  " + "  ".join(shown) + f"  {row['epoch_time_s']:.1f}s{warm}" + rate + star
+    whole = " with validation" if any(k.startswith("val_") for k in row) else ""
+    return (f"epoch {row['epoch']}/{epochs}  " + "  ".join(shown) + f"  {row['epoch_time_s']:.1f}s{whole}{warm}"
+            + rate + star)

@@ -186,7 +186,8 @@ class RecordingSGD(torch.optim.SGD):
         return super().step(closure)
 
 
-def test_a_schedule_gets_the_runs_length_after_accumulation(tmp_path):
+def test_a_schedule_gets_the_runs_length_after_accumulation(tmp_path, caplog):
+    caplog.set_level("INFO", logger="xlatrain")
     shapes = []
 
     def one_cycle(opt, run):
@@ -200,6 +201,8 @@ def test_a_schedule_gets_the_runs_length_after_accumulation(tmp_path):
                                          run_dir=str(tmp_path)))
     trainer.fit(_xy(40))  # 10 micro-batches of 4 -> 5 optimizer steps per epoch
     assert shapes == [xlatrain.RunShape(total_steps=15, steps_per_epoch=5, epochs=3)]
+    # The header names both counts: the progress lines count micro-batches.
+    assert "5 optimizer steps per epoch (10 micro-batches: the progress lines count these)" in caplog.text
     # Every step used the schedule's own rate, the last one its final value (OneCycleLR raises
     # when stepped more than total_steps times).
     reference = torch.optim.lr_scheduler.OneCycleLR(

@@ -33,7 +33,7 @@ def test_on_the_cpu_the_process_memory_is_named_as_such_not_as_a_device_peak(tmp
     assert "memory per device: measured peak" not in caplog.text  # a process's RSS is no device's peak
     line = next(ln for ln in caplog.text.splitlines() if "peak resident memory" in ln)
     assert "the process's peak resident memory was" in line and "(Python, torch, the data and the model together)" in line
-    assert "the model's own parameters, gradients, optimizer state and activations are" in line
+    assert "the model's own parameters, gradients, optimizer state and activations, as planned before the first step, are" in line
 
 
 def test_a_small_rate_keeps_its_digits_and_a_warm_up_interval_shows_none():

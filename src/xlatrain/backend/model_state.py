@@ -503,5 +503,5 @@ def fused_optimizer(optimizer: torch.optim.Optimizer) -> tuple[torch.optim.Optim
         fused = cls(groups, **{k: v for k, v in defaults.items() if k in signature and k != "fused"}, fused=True)
     except (RuntimeError, ValueError, TypeError):  # a dtype or option the fused kernel does not take
         return optimizer, None
-    return fused, (f"optimizer: {cls.__name__} with fused=True (one kernel per step on {devices.pop()}; the factory "
-                   "chose no implementation, and fused=False keeps torch's default)")
+    return fused, (f"optimizer: {cls.__name__} with fused=True (one fused op over all parameters per step on "
+                   f"{devices.pop()}; the factory chose no implementation, and fused=False keeps torch's default)")

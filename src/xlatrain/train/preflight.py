@@ -416,8 +416,8 @@ def report_peak(trainer: Trainer) -> None:
     if peak[1].startswith("the process's"):  # the CPU: everything the process holds, not a device's memory
         trainer._say(
             f"memory: the process's peak resident memory was {perf.human_bytes(peak[0])} (Python, torch, the data and "
-            f"the model together); the model's own parameters, gradients, optimizer state and activations are "
-            f"{perf.human_bytes(plan.total)} of it"
+            f"the model together); the model's own parameters, gradients, optimizer state and activations, as "
+            f"planned before the first step, are {perf.human_bytes(plan.total)} of it"
         )
         return
     trainer._say(

@@ -492,7 +492,8 @@ class Trainer:
             f"xlatrain: {self.backend.describe()} | global batch {self.global_batch_size * cfg.grad_accum_steps} = "
             f"{cfg.batch_size} per device x {st.world_size} device(s)"
             + (f" x {cfg.grad_accum_steps} accumulation steps" if cfg.grad_accum_steps > 1 else "")
-            + f" | {feed.steps_per_epoch // cfg.grad_accum_steps} optimizer steps per epoch"
+            + f" | {feed.steps_per_epoch // cfg.grad_accum_steps} optimizer steps per epoch" + (
+                f" ({feed.steps_per_epoch} micro-batches: the progress lines count these)" if cfg.grad_accum_steps > 1 else "")
             + f" | precision {cfg.precision} | run dir "
             + (f"{self._dir.remote.url} (working copy {self.run_dir})" if self._dir.remote is not None else f"{self.run_dir}")
         )
@@ -812,9 +813,8 @@ class Trainer:
         names = ["loss", "nonfinite", *(f"term.{t}" for t in self._term_names)]
         return {name: torch.zeros(()).to(self.runtime.device) for name in names}
 
-    def _interval(
-        self, meter: IntervalMeter, epoch: int, first: int, step: int, tb_step: int
-    ) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    def _interval(self, meter: IntervalMeter, epoch: int, first: int, step: int,
+                  tb_step: int) -> Callable[[torch.Tensor, torch.Tensor], None]:
         """The deferred read of one log interval: its figures to the observers (progress line or
         bar, TensorBoard, callbacks), and the NaN check."""
         lr = self._step_lr  # the rate the interval's last step used (a schedule has moved it on since)

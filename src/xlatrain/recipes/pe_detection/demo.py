@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -32,9 +33,13 @@ def main(argv: list[str] | None = None) -> int:
     monitor = trainer.monitor
     pick = min if trainer.monitor_mode == "min" else max
     best = pick(history, key=lambda r: r[monitor])
+    # A label whose validation rows are all of one class has no AUC: the mean is over the others.
+    aucs = [v for k, v in best.items() if k.startswith("val_auc_")]
+    defined = sum(not math.isnan(v) for v in aucs)
+    over = f" (mean of the {defined} of {len(aucs)} labels with both classes in this fold)" if defined < len(aucs) else ""
     print(
         f"\nvalidation (fold {config.data.get('fold', 0)}), best epoch {best['epoch']}:\n"
-        f"  mean AUC           model {best['val_mean_auc']:.4f}   prior baseline {prior['mean_auc']:.4f}\n"
+        f"  mean AUC           model {best['val_mean_auc']:.4f}   prior baseline {prior['mean_auc']:.4f}{over}\n"
         f"  weighted log loss  model {best['val_weighted_log_loss']:.4f}   prior baseline {prior['weighted_log_loss']:.4f}"
     )
     beats = best["val_mean_auc"] > prior["mean_auc"] + 0.05 and best["val_weighted_log_loss"] < prior["weighted_log_loss"]
