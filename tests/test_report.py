@@ -149,3 +149,18 @@ def test_runs_from_config_files_are_told_apart_by_every_key_that_differs_and_nam
     assert record["recorded_by_some"] == {"data.image_size": [16, None]}
     assert "Recorded by only some runs" in summary and "| `data.image_size` | 16 | not recorded |" in summary
     assert "data.image_size" not in record["runs"][0]["label"]
+
+
+def test_the_reports_memory_figures_are_the_headers_plan_and_the_estimate_beside_it():
+    from xlatrain.report import _memory_and_throughput
+
+    memory = {"parameters": 4_000_000, "gradients": 4_000_000, "optimizer": 8_000_000, "activations": 30_000_000,
+              "batch_per_device": 64, "gathered": 0, "estimate": 46_000_000, "capacity": None}
+    estimated = _memory_and_throughput({"memory": {**memory, "measured_step": None, "plan": 46_000_000}}, {})
+    assert [ln for ln in estimated if "planned" in ln] == []
+    assert any(ln.startswith("- memory per device, estimated before the first step: 46.0 MB") for ln in estimated)
+    # On CUDA the header's plan is one measured forward and backward plus the optimizer's state.
+    measured = _memory_and_throughput({"memory": {**memory, "measured_step": 60_000_000, "plan": 68_000_000}}, {})
+    assert measured[3] == ("- memory per device, planned before the first step: 68.0 MB (one forward and backward at "
+                           "batch 64 measured 60.0 MB, optimizer state 8.0 MB)")
+    assert measured[4].startswith("- memory per device, estimated before the first step: 46.0 MB")
