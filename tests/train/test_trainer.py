@@ -274,3 +274,13 @@ def test_tuple_outputs_and_a_host_metrics_fn_see_every_row_in_order(tmp_path):
     assert history[-1]["val_mae"] == pytest.approx((expected[1].squeeze(1) - data.tensors[1].float()).abs().mean().item(), rel=1e-5)
     preds = trainer.predict(data)
     assert isinstance(preds, tuple) and preds[0].shape == (29, 3)
+
+
+def test_samples_an_epoch_leaves_out_to_keep_its_batches_full_are_said(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="xlatrain")
+    _trainer(tmp_path / "ragged", batch_size=8).fit(_classification(37))
+    assert ("note: each epoch trains 4 full batches of 8, 32 of the 37 samples: the 5 at the end of its shuffled "
+            "order, different ones each epoch, wait for another epoch") in caplog.text
+    caplog.clear()
+    _trainer(tmp_path / "whole", batch_size=8).fit(_classification(32))
+    assert "full batches of" not in caplog.text

@@ -238,8 +238,19 @@ class TrainFeed:
                                    process_index=st.process_index)
 
     def length_note(self) -> str | None:
-        """A user's sampler whose length is not what it gives: the steps come from what it gives."""
+        """A user's sampler whose length is not what it gives: the steps come from what it gives;
+        samples the Trainer's own sampler leaves out of each epoch to keep every batch full."""
         sampler = self.sampler
+        if isinstance(sampler, TrainSampler):
+            global_batch = sampler.loader_batch * sampler.num_processes
+            used = self.steps_per_epoch * global_batch
+            left = sampler.num_samples - used
+            if left <= 0:
+                return None
+            return (f"note: each epoch trains {self.steps_per_epoch} full batches of {global_batch}, {used} of the "
+                    f"{sampler.num_samples} samples: the {left} at the end of its "
+                    + ("shuffled order, different ones each epoch, " if sampler.shuffle else "order ")
+                    + "wait for another epoch, so that every step has the same shape")
         if not isinstance(sampler, UserSampler):
             return None
         says, gives = sampler.announced(), sampler.given()
