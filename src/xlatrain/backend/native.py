@@ -190,7 +190,8 @@ class NativeRuntime:
         """The most memory held on the device since the last reset (the fit's start, or the end of
         the measured pass before its first step), and what that figure is."""
         if self.kind == "cuda":
-            return torch.cuda.max_memory_allocated(self.device), "CUDA's peak allocated in the fit (a measured pass before the first step left out)"
+            return (torch.cuda.max_memory_allocated(self.device),
+                    "CUDA's peak allocated in the fit (a measured pass before the first step left out)")
         if self.kind == "tpu":
             stats = torch.accelerator.memory_stats()
             peak = stats.get("active_bytes.all.peak")
