@@ -539,19 +539,18 @@ def _device_activity(events: list[dict[str, Any]], num_steps: int, input_wait_s:
     ``input_wait_s``: the loop's waits for batches inside the window. ``None`` when the trace holds
     no device work launched in a step (a CPU run, or a device whose trace says no more).
     """
-    marked = [e for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation"
-              and str(e.get("name", "")).startswith(_STEP_PREFIX) and _timed(e)]
-    if not marked or num_steps < 1:
+    spans = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation"
+             and str(e.get("name", "")).startswith(_STEP_PREFIX) and _timed(e)]
+    if not spans or num_steps < 1:
         return None
-    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in marked)
+    spans.sort()
     starts = [s for s, _ in spans]
-    loop = {(e.get("pid"), e.get("tid")) for e in marked}  # the training thread: other threads' calls are not the steps'
 
-    def in_step(e: dict[str, Any]) -> bool:
-        i = bisect.bisect_right(starts, e["ts"]) - 1
-        return i >= 0 and e["ts"] <= spans[i][1] and (e.get("pid"), e.get("tid")) in loop
+    def in_step(ts: float) -> bool:
+        i = bisect.bisect_right(starts, ts) - 1
+        return i >= 0 and ts <= spans[i][1]
 
-    launched = {_correlation(e) for e in events if e.get("cat") in _HOST_CALLS and _timed(e) and in_step(e)}
+    launched = {_correlation(e) for e in events if e.get("cat") in _HOST_CALLS and _timed(e) and in_step(e["ts"])}
     launched.discard(None)
     work = [e for e in events if e.get("ph") == "X" and e.get("cat") in _DEVICE_WORK and _timed(e)]
     own = [e for e in work if _correlation(e) in launched]
