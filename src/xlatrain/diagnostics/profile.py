@@ -319,7 +319,7 @@ class StepTrace:
         traced = self._window_s + (self._waits[0] if self._waits else 0.0)
         ops, source = _top_ops(events, xla=self._xla)
         # Waits inside the GPU's window: the first step's came before it opened.
-        device = None if self._xla else _device_activity(events, len(steps), sum(self._waits[1:]))
+        device = _device_activity(events, len(steps), sum(self._waits[1:])) if self._platform == "cuda" else None
         summary: dict[str, Any] = {
             "requested": [self.start, self.stop],
             "steps": [steps[0], steps[-1]] if steps else [self.start, self.start],
@@ -522,20 +522,24 @@ def host_paced_note(device: dict[str, Any], reads: int) -> str | None:
     return (
         f"the GPU was busy {100 * device['busy_share']:.0f}% of the traced steps' time and they waited for "
         f"input {100 * device['input_wait_share']:.0f}%; for the other {100 * device['host_paced_share']:.0f}% "
-        f"it had no work ready while the host ran the loop's Python and launched {device['kernels_per_step']:.0f} "
-        f"kernels a step ({device['kernel_us_mean']:.0f} µs of GPU time each on average)"
-        + (f" and read {reads} value(s) from the GPU, each of which waits for its queue to empty" if reads else "")
-        + ": the host set the pace. Fewer, larger kernels keep the GPU busy: compile=True fuses them, and a "
-        "larger batch, where training allows one, gives each more work"
+        f"it had no work ready while the host ran Python, in the steps and between them, and launched "
+        f"{device['kernels_per_step']:.0f} kernels a step ({device['kernel_us_mean']:.0f} µs of GPU time each on "
+        "average)" + (f" and read {reads} value(s) from the GPU, each of which waits for its queue to empty" if reads else "")
+        + ": the host set the pace (tracing adds host time to every op, so untraced steps are paced a little less). "
+        "Fewer, larger kernels keep the GPU busy: compile=True fuses them, and a larger batch, where training "
+        "allows one, gives each more work"
     )
 
 
 def _device_activity(events: list[dict[str, Any]], num_steps: int, input_wait_s: float) -> dict[str, Any] | None:
     """How much of the traced steps' time the GPU worked, from a torch.profiler trace.
 
-    The window runs from the first step's start on the host to the end of the last device work
-    the steps launched (a launch is tied to its kernel or copy by the trace's ``correlation``
-    id). Busy is the time in it that at least one kernel, copy or memset ran, on any stream.
+    The window runs from the start of the first device work the traced steps launched to the end
+    of the last (a launch, on any host thread: the backward pass launches from autograd's own, is
+    tied to its kernel or copy by the trace's ``correlation`` id). It does not open at the first
+    step's host start: work queued by steps before the trace may still hold the GPU then, and the
+    profiler records only what was launched while it ran. Busy is the time in the window that at
+    least one kernel, copy or memset ran, on any stream.
     ``input_wait_s``: the loop's waits for batches inside the window. ``None`` when the trace holds
     no device work launched in a step (a CPU run, or a device whose trace says no more).
     """
@@ -556,8 +560,8 @@ def _device_activity(events: list[dict[str, Any]], num_steps: int, input_wait_s:
     own = [e for e in work if _correlation(e) in launched]
     if not own:
         return None
-    start = spans[0][0]
-    end = max(spans[-1][1], max(e["ts"] + e["dur"] for e in own))
+    start = min(e["ts"] for e in own)
+    end = max(e["ts"] + e["dur"] for e in own)
     busy, open_at, close_at = 0.0, start, start
     for s, e in sorted((max(e["ts"], start), min(e["ts"] + e["dur"], end)) for e in work):
         if e <= s:
