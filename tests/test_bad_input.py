@@ -731,6 +731,11 @@ def test_a_demo_run_again_trains_nothing_says_so_and_starts_over_with_fresh_or_o
     assert f"nothing trained, {run_dir}'s files are as they were" in out and "wrote" not in out
     status, out = cli(*demo, "--overwrite")
     assert status == 0 and f"wrote {run_dir}/history.csv" in out and "nothing to train" not in out
+    plot = (tmp_path / "demo" / "loss.png").read_bytes()
+    status, out = cli(*demo, "--fresh")  # a new directory beside it; the old run's files are left alone
+    fresh = [d for d in tmp_path.iterdir() if d.name != "demo"]
+    assert status == 0 and len(fresh) == 1 and f"wrote {fresh[0]}/history.csv" in out and f"{fresh[0]}/loss.png" in out
+    assert (fresh[0] / "loss.png").exists() and (tmp_path / "demo" / "loss.png").read_bytes() == plot
     status, out = cli(*demo, "--fresh", "--overwrite")
     assert status == 2 and "not allowed with" in out
     # The PE demo takes the same flags (a missing config stops it before any work).

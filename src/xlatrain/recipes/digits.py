@@ -127,8 +127,11 @@ def run_demo(
     )
     trainer, history = run(config, resume=resume)
     if trainer.backend.is_main:
-        where = run_dir
-        plot = plot_loss_curve(run_dir, history)
+        # The run's own directory: under --fresh a new one beside run_dir, which keeps the old run.
+        where = trainer.run_location
+        plot_loss_curve(trainer.run_dir, history)
+        trainer.publish("loss.png")  # a run on object storage gets it too
+        plot = f"{where}/loss.png"
         best = max(history, key=lambda r: r["val_accuracy"])
         log.info(
             f"final validation accuracy {history[-1]['val_accuracy']:.4f} "
