@@ -219,6 +219,24 @@ def test_a_monitor_only_metrics_fn_can_name_is_said_before_training_and_checked_
     assert "must come from metrics_fn (as val_<name>)" in caplog.text
 
 
+def test_metrics_fn_names_are_each_fits_own_and_a_non_mapping_is_refused_before_training(tmp_path):
+    trainer = Trainer(_mlp(), nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1),
+                      metrics_fn=lambda outputs, targets: {"f1": 0.5},
+                      config=TrainConfig(epochs=1, batch_size=8, run_dir=str(tmp_path / "a"), monitor="val_f1",
+                                         monitor_mode="max"), backend="cpu")
+    trainer.fit(_classification(32), _classification(10))
+    # The same Trainer without validation data: the names an earlier fit learned make no val_ column.
+    with pytest.raises(ValueError, match=r"monitor='val_f1' is not a column .*no validation data was given"):
+        trainer.fit(_classification(32), resume="overwrite")
+
+    listing = Trainer(_mlp(), nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1),
+                      metrics_fn=lambda outputs, targets: [0.5],
+                      config=TrainConfig(epochs=1, batch_size=8, run_dir=str(tmp_path / "b")), backend="cpu")
+    with pytest.raises(TypeError, match=r"returned a list, not a mapping"):
+        listing.fit(_classification(32), _classification(10))
+    assert not (tmp_path / "b" / "history.json").exists()  # refused in the dry run, before the first step
+
+
 def test_functional_losses_with_a_reduction_argument_evaluate(tmp_path):
     trainer = _trainer(tmp_path, loss=F.cross_entropy, batch_size=8)
     assert trainer.task == "classification"

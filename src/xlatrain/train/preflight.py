@@ -55,6 +55,7 @@ def prepare(trainer: Trainer, train_data: Any, val_data: Any | None) -> tuple[pe
     state = st.planned_state_bytes(trainer.model, trainer.optimizer)
     gathered = st.gathered_bytes(trainer.model, trainer.precision)
     rng, host_rng = rt.rng_state(), host_rng_state()
+    trainer._metric_names = None  # this fit's, from its own validation batch: not an earlier fit's
     try:
         profile, flops, flops_source, tokens = _training_batch(trainer, train_data)
         if val_data is not None:
@@ -208,7 +209,7 @@ def _validation_batch(trainer: Trainer, val_data: Any) -> None:
 
 class _NamesOf:
     """A metrics_fn called for the names it returns, nothing else: ``names`` stays ``None`` where
-    it raised or returned no mapping; the columns it gives the dry run are none."""
+    it raised; the columns it gives the dry run are none. What it prints is not held back."""
 
     def __init__(self, metrics_fn: Any) -> None:
         self.metrics_fn, self.names = metrics_fn, None
@@ -220,8 +221,9 @@ class _NamesOf:
                 found = self.metrics_fn(outputs, targets)
         except Exception:  # noqa: BLE001 - two rows may be too few for it: the first validation will tell
             return {}
-        if isinstance(found, Mapping):
-            self.names = [str(k) for k in found]
+        if not isinstance(found, Mapping):
+            return found  # not a mapping on any rows: evaluation's own error says so now, not after an epoch
+        self.names = [str(k) for k in found]
         return {}
 
 
@@ -381,7 +383,7 @@ def check_monitor(trainer: Trainer, val_data: Any | None) -> None:
         or (trainer.task == "multilabel" and trainer.label_names is None
             and monitor.startswith(("val_auc_", "val_ema_auc_")))
     )
-    names = getattr(trainer, "_metric_names", None)
+    names = getattr(trainer, "_metric_names", None) if val_data is not None else None
     if names is not None:  # what metrics_fn returned on two validation rows
         returned = {f"val_{n}" for n in names}
         columns |= returned | ({"val_ema_" + c.removeprefix("val_") for c in returned} if cfg.ema_decay is not None else set())
