@@ -1,7 +1,7 @@
 """The PE recipe at gpu_pipeline's settings with a few steps traced: what the profile summary says
 of them (on CUDA: the share of their time the GPU worked, the kernels a step launched and their mean
 length, and whether the host set the pace). Run from the repository root:
-``python benchmarks/cuda/pe_profile.py`` (``STUDIES=N``, ``STEPS=FIRST,LAST``; ``DIAG_DEV=cpu`` for a
+``python benchmarks/cuda/pe_profile.py`` (``STUDIES=N``, ``STEPS=FIRST,LAST``, 20,25 on CUDA; ``DIAG_DEV=cpu`` for a
 smoke run on the CPU, whose trace holds no device work). Prints one JSON line.
 """
 import json, os, sys, tempfile
@@ -9,7 +9,7 @@ sys.path.insert(0, os.getcwd()); sys.path.insert(0, os.path.join(os.getcwd(), "s
 from benchmarks import gpu_pipeline as gp
 
 DEV = os.environ.get("DIAG_DEV", "cuda")
-first, last = (int(n) for n in os.environ.get("STEPS", "20,25").split(","))
+first, last = (int(n) for n in os.environ.get("STEPS", "20,25" if DEV == "cuda" else "2,3").split(","))
 overrides = [o for o in (gp.RECIPE if DEV == "cuda" else gp.SMOKE) if not o.startswith("data.num_studies")]
 overrides += [f"data.num_studies={os.environ.get('STUDIES', '240') if DEV == 'cuda' else 12}",
               f"trainer.profile_steps=[{first},{last}]"]

@@ -297,8 +297,8 @@ def test_tuple_outputs_and_a_host_metrics_fn_see_every_row_in_order(tmp_path):
 def test_samples_an_epoch_leaves_out_to_keep_its_batches_full_are_said(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="xlatrain")
     _trainer(tmp_path / "ragged", batch_size=8).fit(_classification(37))
-    assert ("note: each epoch trains 4 full batches of 8, 32 of the 37 samples: the 5 at the end of its shuffled "
-            "order, different ones each epoch, wait for another epoch") in caplog.text
+    assert ("note: each epoch trains 4 full batches of 8, 32 of the 37 samples, so that every step has the same "
+            "shape: the 5 at the end of its shuffled order, different ones each epoch, wait for another epoch") in caplog.text
     caplog.clear()
     _trainer(tmp_path / "whole", batch_size=8).fit(_classification(32))
     assert "full batches of" not in caplog.text

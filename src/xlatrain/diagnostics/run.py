@@ -310,8 +310,8 @@ class RunDiagnostics:
         wall = now - self._epoch_started
         row: dict[str, Any] = {
             "epoch": epoch, "wall_s": wall, "train_s": trained, "steps": self._train_steps, "input_wait_s": waited,
-            # Of the training steps' time (their batches' waits included), not the epoch's:
-            # validation and checkpoints wait for no training batch.
+            # Of the training pass's time (its steps, their batches' waits and what runs between them,
+            # a mid-epoch checkpoint included), not the epoch's: validation waits for no training batch.
             "input_bound_share": min(1.0, waited / trained) if trained > 0 else 0.0,
         }
         if snap is not None and self._snap is not None:
@@ -566,7 +566,12 @@ class RunDiagnostics:
         else:
             uncounted.append("recompilations")
         if self._xla:
-            checked += ["no unplanned device reads", "no CPU fallbacks"]
+            # A finding takes one unplanned read per two steps; fewer are counted here.
+            unplanned = sum(e["host_reads"] - e["planned_reads"] for e in self._epochs)
+            steps = sum(e["steps"] for e in self._epochs)
+            checked += ["no unplanned device reads" if unplanned <= 0 else
+                        f"{unplanned} unplanned device read(s) in {steps} steps, under one per two steps",
+                        "no CPU fallbacks"]
         else:
             uncounted += ["device reads", "CPU fallbacks"]
         if self._input_wait_is_evidence():

@@ -248,9 +248,9 @@ class TrainFeed:
             if left <= 0:
                 return None
             return (f"note: each epoch trains {self.steps_per_epoch} full batches of {global_batch}, {used} of the "
-                    f"{sampler.num_samples} samples: the {left} at the end of its "
-                    + ("shuffled order, different ones each epoch, " if sampler.shuffle else "order ")
-                    + "wait for another epoch, so that every step has the same shape")
+                    f"{sampler.num_samples} samples, so that every step has the same shape: the {left} at the end of "
+                    + ("its shuffled order, different ones each epoch, wait for another epoch" if sampler.shuffle else
+                       "the order are never trained on"))
         if not isinstance(sampler, UserSampler):
             return None
         says, gives = sampler.announced(), sampler.given()
