@@ -195,7 +195,7 @@ _GPU_TRACE = [
 
 
 def test_gpu_busy_time_is_the_steps_device_work_counted_once_where_streams_overlap():
-    got = _device_activity(_GPU_TRACE, 2, input_wait_s=50e-6)
+    got = _device_activity(_GPU_TRACE, input_wait_s=50e-6)
     # From the steps' first kernel (30) to step 2's last (300); the evaluation's kernel is not in it.
     assert got["window_s"] == pytest.approx(270e-6)
     assert got["busy_s"] == pytest.approx(170e-6)  # 30-90, 180-190, 200-300
@@ -205,19 +205,19 @@ def test_gpu_busy_time_is_the_steps_device_work_counted_once_where_streams_overl
     assert got["kernels_per_step"] == 1.5 and got["kernel_us_mean"] == pytest.approx(60.0)
     # Without the launches' correlation ids no work can be tied to a step: nothing is said.
     untied = [{k: v for k, v in e.items() if k != "args"} for e in _GPU_TRACE]
-    assert _device_activity(untied, 2, 0.0) is None
+    assert _device_activity(untied, 0.0) is None
 
 
 def test_a_gpu_left_idle_by_the_host_gets_a_note_and_a_busy_one_none():
-    idle = _device_activity(_GPU_TRACE, 2, input_wait_s=20e-6)  # 100 of the 270 µs idle, 20 of them waiting
+    idle = _device_activity(_GPU_TRACE, input_wait_s=20e-6)  # 100 of the 270 µs idle, 20 of them waiting
     note = host_paced_note(idle, reads=0)
     assert note.startswith("the GPU was busy 63% of the traced steps' time and they waited for input 7%; "
                            "for the other 30% it had no work ready")
     assert "the host set the pace" in note and "compile=True" in note and "value(s)" not in note
     assert "read 3 value(s) from the GPU" in host_paced_note(idle, reads=3)
     # A quarter of the window left to the host is the line: 32.5 µs of waiting leaves 67.5 of 270.
-    assert host_paced_note(_device_activity(_GPU_TRACE, 2, input_wait_s=30e-6), reads=0) is not None
-    assert host_paced_note(_device_activity(_GPU_TRACE, 2, input_wait_s=35e-6), reads=0) is None
+    assert host_paced_note(_device_activity(_GPU_TRACE, input_wait_s=30e-6), reads=0) is not None
+    assert host_paced_note(_device_activity(_GPU_TRACE, input_wait_s=35e-6), reads=0) is None
     md = render_summary({"steps": [1, 2], "backend": "cuda", "trace": TRACE_FILE, "traced_s": 0.0003, "num_steps": 2,
                          "ms_per_step": 0.15, "step_s": 0.0002, "input_wait_s": 5e-5, "input_wait_share": 0.1667,
                          "between_steps_s": 0.0, "transfers": {"to_device": 1, "to_device_bytes": 4096, "from_device": 0,

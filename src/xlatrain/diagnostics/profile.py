@@ -319,7 +319,7 @@ class StepTrace:
         traced = self._window_s + (self._waits[0] if self._waits else 0.0)
         ops, source = _top_ops(events, xla=self._xla)
         # Waits inside the GPU's window: the first step's came before it opened.
-        device = _device_activity(events, len(steps), sum(self._waits[1:])) if self._platform == "cuda" else None
+        device = _device_activity(events, sum(self._waits[1:])) if self._platform == "cuda" else None
         summary: dict[str, Any] = {
             "requested": [self.start, self.stop],
             "steps": [steps[0], steps[-1]] if steps else [self.start, self.start],
@@ -531,7 +531,7 @@ def host_paced_note(device: dict[str, Any], reads: int) -> str | None:
     )
 
 
-def _device_activity(events: list[dict[str, Any]], num_steps: int, input_wait_s: float) -> dict[str, Any] | None:
+def _device_activity(events: list[dict[str, Any]], input_wait_s: float) -> dict[str, Any] | None:
     """How much of the traced steps' time the GPU worked, from a torch.profiler trace.
 
     The window runs from the start of the first device work the traced steps launched to the end
@@ -545,7 +545,7 @@ def _device_activity(events: list[dict[str, Any]], num_steps: int, input_wait_s:
     """
     spans = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation"
              and str(e.get("name", "")).startswith(_STEP_PREFIX) and _timed(e)]
-    if not spans or num_steps < 1:
+    if not spans:
         return None
     spans.sort()
     starts = [s for s, _ in spans]
@@ -582,7 +582,8 @@ def _device_activity(events: list[dict[str, Any]], num_steps: int, input_wait_s:
         "input_wait_share": round(wait_share, 4),
         # Idle and not waiting for input: the host had not yet launched the next work.
         "host_paced_share": round(max(1.0 - busy_share - wait_share, 0.0), 4),
-        "kernels_per_step": round(len(kernels) / num_steps, 1),
+        # Per traced step span: a step cut short by the run's end is traced, and counted, too.
+        "kernels_per_step": round(len(kernels) / len(spans), 1),
         "kernel_us_mean": round(sum(kernels) / len(kernels), 2) if kernels else 0.0,
     }
 
