@@ -206,6 +206,9 @@ def test_gpu_busy_time_is_the_steps_device_work_counted_once_where_streams_overl
     # Without the launches' correlation ids no work can be tied to a step: nothing is said.
     untied = [{k: v for k, v in e.items() if k != "args"} for e in _GPU_TRACE]
     assert _device_activity(untied, 0.0) is None
+    instant = [e for e in _GPU_TRACE if e.get("args", {}).get("correlation") in (None, 1)]
+    instant[-1] = {**instant[-1], "dur": 0}  # the steps' only kernel takes no measurable time
+    assert [e["name"] for e in instant if e["cat"] == "kernel"] == ["gemm"] and _device_activity(instant, 0.0) is None
 
 
 def test_a_gpu_left_idle_by_the_host_gets_a_note_and_a_busy_one_none():
@@ -252,12 +255,13 @@ def test_on_a_gpu_tiny_kernels_are_told_the_host_set_the_pace_and_large_matmuls_
         return trace.close()
 
     paced, busy = traced("tiny", tiny), traced("heavy", heavy)
-    assert paced["device"]["kernels_per_step"] == 600 and paced["device"]["busy_share"] < 0.5
+    # Counts within a kernel record or so: CUPTI may lose the first record of a profiling session.
+    assert paced["device"]["kernels_per_step"] == pytest.approx(600, abs=1) and paced["device"]["busy_share"] < 0.5
     assert any("the host set the pace" in n for n in paced["notes"])
     assert "- GPU busy: " in (tmp_path / "tiny" / "profile" / "summary.md").read_text()
     # Steps 1-2 left matmuls queued when the trace began at step 3: the window opens at the traced
     # steps' own first kernel, so that backlog does not read as idle time.
-    assert busy["device"]["kernels_per_step"] == 4 and busy["device"]["busy_share"] > 0.9
+    assert 3.5 <= busy["device"]["kernels_per_step"] <= 4 and busy["device"]["busy_share"] > 0.9
     assert not any("set the pace" in n for n in busy["notes"])
 
     # The backward pass launches its kernels from autograd's own thread: they are the step's too.

@@ -319,7 +319,8 @@ class StepTrace:
         traced = self._window_s + (self._waits[0] if self._waits else 0.0)
         ops, source = _top_ops(events, xla=self._xla)
         # Waits inside the GPU's window: the first step's came before it opened.
-        device = _device_activity(events, sum(self._waits[1:])) if self._platform == "cuda" else None
+        cuda = not self._xla and self._platform == "cuda"  # torch.profiler's kernels, not torch_xla's trace
+        device = _device_activity(events, sum(self._waits[1:])) if cuda else None
         summary: dict[str, Any] = {
             "requested": [self.start, self.stop],
             "steps": [steps[0], steps[-1]] if steps else [self.start, self.start],
@@ -362,7 +363,10 @@ class StepTrace:
                 "window; trace steps within one epoch to see the steps alone"
             )
         device = summary.get("device")
-        paced = host_paced_note(device, transfers.get("scalar_reads", 0)) if device is not None and not between else None
+        # Time between the steps (an evaluation, a checkpoint) that could be all of the GPU's idle
+        # time leaves the steps' own pace unknown.
+        paced = host_paced_note(device, transfers.get("scalar_reads", 0)) if device is not None and not between \
+            and summary["between_steps_s"] < device["host_paced_share"] * device["window_s"] else None
         if paced is not None:
             notes.append(paced)
         if self._xla:
@@ -572,6 +576,8 @@ def _device_activity(events: list[dict[str, Any]], input_wait_s: float) -> dict[
         close_at = max(close_at, e)
     busy += close_at - open_at
     window = end - start
+    if window <= 0:
+        return None  # no measurable stretch of work: nothing to say of it
     kernels = [e["dur"] for e in own if e["cat"] == _KERNEL]
     busy_share = busy / window if window > 0 else 0.0
     wait_share = min(input_wait_s * 1e6 / window, 1.0) if window > 0 else 0.0

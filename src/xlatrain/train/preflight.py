@@ -214,6 +214,9 @@ class _NamesOf:
     def __init__(self, metrics_fn: Any) -> None:
         self.metrics_fn, self.names = metrics_fn, None
 
+    def __repr__(self) -> str:  # evaluation's errors name the user's function
+        return repr(self.metrics_fn)
+
     def __call__(self, outputs: Any, targets: Any) -> dict[str, float]:
         try:
             with warnings.catch_warnings():
