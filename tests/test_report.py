@@ -97,6 +97,7 @@ def test_one_run_keeps_its_own_report_with_its_profile_and_out_moves_a_compariso
     assert main(["report", str(run)]) == 0
     summary = (run / "report" / "summary.md").read_text()
     assert "best epoch" in summary and "## Profile of training steps 2-3 (cpu)" in summary
+    assert "lr at the epoch's start 0.2," in summary  # the rate's own digits, named for when it was read
     assert "### Top ops (CPU ops, self time" in summary and "| `aten::addmm` |" in summary
     assert "- trace: `../profile/trace.pt.trace.json`" in summary
     assert main(["report", str(root / "lr-0.01"), str(root / "lr-0.2"), "--out", str(tmp_path / "cmp")]) == 0
