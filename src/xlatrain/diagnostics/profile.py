@@ -579,8 +579,8 @@ def _device_activity(events: list[dict[str, Any]], input_wait_s: float) -> dict[
     if window <= 0:
         return None  # no measurable stretch of work: nothing to say of it
     kernels = [e["dur"] for e in own if e["cat"] == _KERNEL]
-    busy_share = busy / window if window > 0 else 0.0
-    wait_share = min(input_wait_s * 1e6 / window, 1.0) if window > 0 else 0.0
+    busy_share = busy / window
+    wait_share = min(input_wait_s * 1e6 / window, 1.0)
     return {
         "window_s": round(window / 1e6, 6),
         "busy_s": round(busy / 1e6, 6),
