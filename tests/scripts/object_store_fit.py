@@ -38,8 +38,12 @@ def main() -> None:
                                accelerator="cpu", callbacks=[EpochReads()])
     history = trainer.fit(ds)
     epoch = [g for batch in fetched for g in batch]
-    print("FETCHED " + json.dumps({"rank": trainer.strategy.process_index, "epoch1": epoch,
-                                   "history": [r["train_loss"] for r in history]}), flush=True)
+    # One write of the whole line: both processes share the pipe, and print() writes the text and
+    # its newline apart, which unbuffered (PYTHONUNBUFFERED) lets another process's line land between.
+    line = "FETCHED " + json.dumps({"rank": trainer.strategy.process_index, "epoch1": epoch,
+                                    "history": [r["train_loss"] for r in history]}) + "\n"
+    sys.stdout.write(line)
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
