@@ -368,18 +368,15 @@ def write_comparison(run_dirs: Sequence[str | Path], out_dir: str | Path | None 
         lines += ["", "No run recorded its config (config.yaml or a checkpoint): the runs are named by directory only."]
     else:
         lines += ["", "The keys every run recorded are the same in all (apart from run_dir)."]
-    if partly and any(r["config"] for r in runs):
+    if partly:  # keys come from the recorded configs: none recorded, none here
         lines += ["", "Recorded by only some runs (the others took a default their files do not name, so whether "
                   "they differ is not known): " + ", ".join(f"`{k}`" for k in partly) + "."]
     lines += ["", "## Best metrics and times", "", *table]
-    if differing:
-        lines += ["", "## Config keys that differ", "", "| key | " + " | ".join(r["name"] for r in runs) + " |",
-                  "|---|" + "---|" * len(runs)]
-        lines += [f"| `{k}` | " + " | ".join(_show(r["config"].get(k, _MISSING)) for r in runs) + " |" for k in differing]
-    if partly and any(r["config"] for r in runs):
-        lines += ["", "## Config keys only some runs recorded", "", "| key | " + " | ".join(r["name"] for r in runs) + " |",
-                  "|---|" + "---|" * len(runs)]
-        lines += [f"| `{k}` | " + " | ".join(_show(r["config"].get(k, _MISSING)) for r in runs) + " |" for k in partly]
+    for title, shown in (("Config keys that differ", differing), ("Config keys only some runs recorded", partly)):
+        if shown:
+            lines += ["", f"## {title}", "", "| key | " + " | ".join(r["name"] for r in runs) + " |",
+                      "|---|" + "---|" * len(runs)]
+            lines += [f"| `{k}` | " + " | ".join(_show(r["config"].get(k, _MISSING)) for r in runs) + " |" for k in shown]
     lines += ["", "## Plots", ""] + [f"![{n}]({n})" for n in plots] + [""]
     atomic_write_text(out / "summary.md", "\n".join(lines))
     record = {

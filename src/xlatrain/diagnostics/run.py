@@ -507,9 +507,8 @@ class RunDiagnostics:
         recompiled = self._compile_finding()
         if recompiled is not None:
             out.append(recompiled)
-        steps = sum(e["steps"] for e in self._epochs) or 1
+        unplanned, steps = self._unplanned_reads()
         if self._epochs and "host_reads" in self._epochs[0]:
-            unplanned = sum(e["host_reads"] - e["planned_reads"] for e in self._epochs)
             scalar = sum(e["scalar_reads"] for e in self._epochs)
             if unplanned >= steps / 2:
                 out.append(Finding(
@@ -550,6 +549,12 @@ class RunDiagnostics:
             ))
         return out
 
+    def _unplanned_reads(self) -> tuple[int, int]:
+        """Device reads beyond the planned ones over the epochs (XLA's count; 0 elsewhere), and the
+        steps they ran (at least 1)."""
+        unplanned = sum(e.get("host_reads", 0) - e.get("planned_reads", 0) for e in self._epochs)
+        return unplanned, sum(e["steps"] for e in self._epochs) or 1
+
     def _input_share(self) -> tuple[float, float, float]:
         """The share of the epochs' training time spent waiting for a batch, the wait and that time."""
         waited = sum(e["input_wait_s"] for e in self._epochs)
@@ -567,8 +572,7 @@ class RunDiagnostics:
             uncounted.append("recompilations")
         if self._xla:
             # A finding takes one unplanned read per two steps; fewer are counted here.
-            unplanned = sum(e["host_reads"] - e["planned_reads"] for e in self._epochs)
-            steps = sum(e["steps"] for e in self._epochs)
+            unplanned, steps = self._unplanned_reads()
             checked += ["no unplanned device reads" if unplanned <= 0 else
                         f"{unplanned} unplanned device read(s) in {steps} steps, under one per two steps",
                         "no CPU fallbacks"]
@@ -687,8 +691,9 @@ class RunDiagnostics:
                     log.info(f"  - {f.title}: {f.evidence}\n    fix: {f.fix}")
             else:
                 checked, uncounted = self._checked()
+                # Two or three kinds, or none (XLA counts them all).
                 counted_where = f"; {', '.join(uncounted[:-1])} and {uncounted[-1]} are counted on XLA only" \
-                    if len(uncounted) > 1 else (f"; {uncounted[0]} are counted on XLA only" if uncounted else "")
+                    if uncounted else ""
                 log.info(f"diagnostics: clean ({', '.join(checked)}{counted_where})")
             for note in notes:
                 log.info(f"  note: {note}")

@@ -55,15 +55,15 @@ def prepare(trainer: Trainer, train_data: Any, val_data: Any | None) -> tuple[pe
     state = st.planned_state_bytes(trainer.model, trainer.optimizer)
     gathered = st.gathered_bytes(trainer.model, trainer.precision)
     rng, host_rng = rt.rng_state(), host_rng_state()
-    trainer._metric_names = None  # this fit's, from its own validation batch: not an earlier fit's
+    names = None  # what metrics_fn returns, from this fit's own validation batch
     try:
         profile, flops, flops_source, tokens = _training_batch(trainer, train_data)
         if val_data is not None:
-            _validation_batch(trainer, val_data)
+            names = _validation_batch(trainer, val_data)
     finally:
         rt.set_rng_state(rng)
         set_host_rng_state(host_rng)
-    check_monitor(trainer, val_data)
+    check_monitor(trainer, val_data, names)
     return plan(trainer, train_data, profile, flops, flops_source, tokens, state, gathered)
 
 
@@ -165,10 +165,11 @@ def _measures(trainer: Trainer, train_data: Any) -> bool:
             and not st.activation_checkpointing and not st.sharded_state)
 
 
-def _validation_batch(trainer: Trainer, val_data: Any) -> None:
+def _validation_batch(trainer: Trainer, val_data: Any) -> list[str] | None:
     """One validation batch: the eval loss chosen from its outputs, the task's metrics checked,
     then the first rows of the set through ``evaluate``'s own path (padding, gathers, the loss and
-    metrics' reduction), so what would fail after an epoch fails now."""
+    metrics' reduction), so what would fail after an epoch fails now. Returns the names a
+    ``metrics_fn`` function returned on those rows (``None``: none known)."""
     io, model = trainer.io, trainer.model
     was_training = model.training
     batch = None
@@ -188,14 +189,14 @@ def _validation_batch(trainer: Trainer, val_data: Any) -> None:
             if trainer.task != "none" or trainer.config.top_k:
                 check_task(trainer.task, as_float(predictions), targets, trainer.config.top_k,
                            task_given=trainer.config.task != "auto")
-        trainer._metric_names = None
         if not isinstance(val_data, BatchSource):
             # A streaming metric is not fed these rows (it would keep them). A metrics_fn function
             # is called on them for the names it returns, which the monitor is checked against; two
             # rows may not be enough for it, so what it raises or warns is not the run's.
             probe = None if trainer.metrics_fn is None or is_streaming(trainer.metrics_fn) else _NamesOf(trainer.metrics_fn)
             trainer._evaluate(_Head(val_data, 2), probe, forward=model)
-            trainer._metric_names = probe.names if probe is not None else None
+            return probe.names if probe is not None else None
+        return None
     except ValueError as exc:
         raise ValueError(f"a dry run on one validation batch, before training: {exc}") from None
     except Exception as exc:
@@ -355,9 +356,10 @@ def _measured_step(trainer: Trainer, train_data: Any, module: torch.nn.Module) -
         set_host_rng_state(host_rng)
 
 
-def check_monitor(trainer: Trainer, val_data: Any | None) -> None:
+def check_monitor(trainer: Trainer, val_data: Any | None, names: list[str] | None = None) -> None:
     """``monitor`` must name a column this run's history will have: known after the dry run
-    (the loss's terms, the task's metrics), checked before the first step."""
+    (the loss's terms, the task's metrics, ``names`` that metrics_fn returned there), checked
+    before the first step."""
     cfg = trainer.config
     if cfg.monitor is None:  # the task's default, now that the dry run told the task
         trainer.monitor, trainer.monitor_mode = default_monitor(trainer.task)
@@ -386,7 +388,6 @@ def check_monitor(trainer: Trainer, val_data: Any | None) -> None:
         or (trainer.task == "multilabel" and trainer.label_names is None
             and monitor.startswith(("val_auc_", "val_ema_auc_")))
     )
-    names = getattr(trainer, "_metric_names", None) if val_data is not None else None
     if names is not None:  # what metrics_fn returned on two validation rows
         returned = {f"val_{n}" for n in names}
         columns |= returned | ({"val_ema_" + c.removeprefix("val_") for c in returned} if cfg.ema_decay is not None else set())
