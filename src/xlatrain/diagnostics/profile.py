@@ -501,7 +501,7 @@ def _self_times(events: Iterable[dict[str, Any]]) -> Iterable[tuple[dict[str, An
     """
     by_thread: dict[tuple[Any, Any], list[dict[str, Any]]] = {}
     for e in events:
-        if isinstance(e.get("ts"), (int, float)) and isinstance(e.get("dur"), (int, float)):
+        if _timed(e):
             by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(e)
     for thread in by_thread.values():
         thread.sort(key=lambda e: (e["ts"], -e["dur"]))
