@@ -218,6 +218,9 @@ def test_a_gpu_left_idle_by_the_host_gets_a_note_and_a_busy_one_none():
                            "for the other 30% it had no work ready")
     assert "the host set the pace" in note and "compile=True" in note and "value(s)" not in note
     assert "read 3 value(s) from the GPU" in host_paced_note(idle, reads=3)
+    # A compiled step is not told to compile: the batch is what is left to suggest.
+    compiled = host_paced_note(idle, reads=0, compiled=True)
+    assert "compile=True" not in compiled and "compiled already: a larger batch" in compiled
     # A quarter of the window left to the host is the line: 32.5 µs of waiting leaves 67.5 of 270.
     assert host_paced_note(_device_activity(_GPU_TRACE, input_wait_s=30e-6), reads=0) is not None
     assert host_paced_note(_device_activity(_GPU_TRACE, input_wait_s=35e-6), reads=0) is None
@@ -245,8 +248,8 @@ def test_on_a_gpu_tiny_kernels_are_told_the_host_set_the_pace_and_large_matmuls_
         for _ in range(4):  # about a TFLOP each: milliseconds on the GPU, microseconds to launch
             big @ big
 
-    def traced(name, work):
-        trace = StepTrace(tmp_path / name, (3, 6), trace_kind="torch", is_main=True, platform="cuda")
+    def traced(name, work, compiled=False):
+        trace = StepTrace(tmp_path / name, (3, 6), trace_kind="torch", is_main=True, platform="cuda", compiled=compiled)
         for n in range(1, 8):
             trace.before_step(n)
             work()
@@ -254,10 +257,10 @@ def test_on_a_gpu_tiny_kernels_are_told_the_host_set_the_pace_and_large_matmuls_
         torch.cuda.synchronize()
         return trace.close()
 
-    paced, busy = traced("tiny", tiny), traced("heavy", heavy)
+    paced, busy = traced("tiny", tiny, compiled=True), traced("heavy", heavy)
     # Counts within a kernel record or so: CUPTI may lose the first record of a profiling session.
     assert paced["device"]["kernels_per_step"] == pytest.approx(600, abs=1) and paced["device"]["busy_share"] < 0.5
-    assert any("the host set the pace" in n for n in paced["notes"])
+    assert any("the host set the pace" in n and "compiled already" in n for n in paced["notes"])
     assert "- GPU busy: " in (tmp_path / "tiny" / "profile" / "summary.md").read_text()
     # Steps 1-2 left matmuls queued when the trace began at step 3: the window opens at the traced
     # steps' own first kernel, so that backlog does not read as idle time.

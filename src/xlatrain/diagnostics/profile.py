@@ -111,6 +111,8 @@ class StepTrace:
         platform: ``runtime.platform`` (``"cpu"``, ``"cuda"``, ``"tpu"``): which device
             activity torch.profiler records, and whether an input wait also holds compute (XLA
             on the host's CPU).
+        compiled: the steps run under ``torch.compile`` (``TrainConfig.compile``), which
+            changes what the summary suggests for a GPU the host left idle.
     """
 
     def __init__(
@@ -121,11 +123,13 @@ class StepTrace:
         trace_kind: str,
         is_main: bool,
         platform: str = "cpu",
+        compiled: bool = False,
     ) -> None:
         self.start, self.stop = check_profile_steps(steps)
         self.out_dir = Path(run_dir) / "profile"
         self._xla = trace_kind == "xla"
         self._platform = platform
+        self._compiled = compiled
         self._is_main = is_main
         self._state = "waiting" if is_main else "done"  # waiting -> tracing -> done
         self._session: Any = None
@@ -365,7 +369,7 @@ class StepTrace:
         device = summary.get("device")
         # Time between the steps (an evaluation, a checkpoint) that could be all of the GPU's idle
         # time leaves the steps' own pace unknown.
-        paced = host_paced_note(device, transfers.get("scalar_reads", 0)) if device is not None and not between \
+        paced = host_paced_note(device, transfers.get("scalar_reads", 0), compiled=self._compiled) if device is not None and not between \
             and summary["between_steps_s"] < device["host_paced_share"] * device["window_s"] else None
         if paced is not None:
             notes.append(paced)
@@ -517,10 +521,11 @@ def _self_times(events: Iterable[dict[str, Any]]) -> Iterable[tuple[dict[str, An
         yield from ((e, max(t, 0.0)) for e, t in zip(thread, own))
 
 
-def host_paced_note(device: dict[str, Any], reads: int) -> str | None:
+def host_paced_note(device: dict[str, Any], reads: int, *, compiled: bool = False) -> str | None:
     """What the summary says of a GPU that sat idle, not waiting for input, for at least
     ``_HOST_PACED_SHARE`` of the traced time (``device``: a summary's ``"device"``; ``reads``: the
-    device values the traced steps read on the host); ``None`` for one that was kept busy."""
+    device values the traced steps read on the host; ``compiled``: the steps ran under
+    ``torch.compile``); ``None`` for one that was kept busy."""
     if device["host_paced_share"] < _HOST_PACED_SHARE:
         return None
     return (
@@ -530,8 +535,14 @@ def host_paced_note(device: dict[str, Any], reads: int) -> str | None:
         f"{device['kernels_per_step']:.0f} kernels a step ({device['kernel_us_mean']:.0f} µs of GPU time each on "
         "average)" + (f" and read {reads} value(s) from the GPU, each of which waits for its queue to empty" if reads else "")
         + ": the host set the pace (tracing adds host time to every op, so untraced steps are paced a little less). "
-        "Fewer, larger kernels keep the GPU busy: compile=True fuses them, and a larger batch, where training "
-        "allows one, gives each more work"
+        + (
+            # torch.compile fuses the model's ops; the loss, the backward's glue and the optimizer
+            # step still launch their own kernels, and each kernel's size is the batch's.
+            "The model is compiled already: a larger batch, where training allows one, gives each kernel "
+            "more work" if compiled else
+            "Fewer, larger kernels keep the GPU busy: compile=True fuses them, and a larger batch, where "
+            "training allows one, gives each more work"
+        )
     )
 
 

@@ -538,10 +538,8 @@ class Trainer:
         removed; after the run only the user's callbacks are left."""
         cfg, rt, st = self.config, self.runtime, self.strategy
         run.callback(setattr, self, "_observers", Observers([], self._callbacks))
-        own: list[Any] = [ProgressObserver(
-            interactive=interactive_terminal(st.is_main), log=self._say,
-            rate_note=self.throughput.text if self.throughput is not None else None,
-        )]
+        own: list[Any] = [ProgressObserver(interactive=interactive_terminal(st.is_main), log=self._say,
+                                           rate_note=self.throughput.text if self.throughput is not None else None)]
         tb = run.enter_context(
             TensorBoardLog(self.run_dir, enabled=cfg.tensorboard, is_main=st.is_main, start_step=cursor.global_step))
         if tb.enabled:
@@ -549,8 +547,9 @@ class Trainer:
         if cfg.profile_steps and (note := untraced_note(cfg, self._feed.steps_per_epoch, *cursor.next_position())):
             self._say(note)  # before the first step: a trace asked for is not left out silently
         if cfg.profile_steps:
-            own.append(TraceObserver(run.enter_context(contextlib.closing(StepTrace(
-                self.run_dir, cfg.profile_steps, trace_kind=rt.trace_kind, is_main=st.is_main, platform=rt.platform)))))
+            trace = StepTrace(self.run_dir, cfg.profile_steps, trace_kind=rt.trace_kind, is_main=st.is_main,
+                              platform=rt.platform, compiled=cfg.compile)
+            own.append(TraceObserver(run.enter_context(contextlib.closing(trace))))
         if cfg.diagnostics:
             watch = run.enter_context(CompileWatch().start(first_epoch=first_epoch)) if cfg.compile else None
             diag = RunDiagnostics(rt, st, per_device_batch=cfg.batch_size, strict=cfg.strict,
