@@ -697,6 +697,30 @@ def test_a_disk_too_small_for_two_checkpoints_is_refused_before_the_first_step(t
     assert "point trainer.run_dir at a larger disk" in proc.stderr and "epoch 1" not in proc.stdout
 
 
+class _Steps:
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def on_interval(self, trainer: Any, values: dict[str, Any]) -> None:
+        self.seen += 1
+
+
+def _tagged_groups(params: Any) -> torch.optim.Optimizer:
+    """A parameter group that carries a dtype of its own (as mixed-precision optimizers' do)."""
+    return torch.optim.SGD([{"params": list(params), "state_dtype": torch.bfloat16}], lr=0.1)
+
+
+def test_an_optimizer_setting_no_checkpoint_can_hold_is_refused_before_the_first_step(tmp_path):
+    steps = _Steps()
+    with pytest.raises(ValueError) as err:
+        trainer(tmp_path / "run", opt=_tagged_groups, cfg={"log_every": 1}, callbacks=[steps]).fit(data())
+    assert "optimizer param_groups: [0]['state_dtype'] is a dtype, which a checkpoint cannot hold" in str(err.value)
+    assert "CheckpointConfig(enabled=False)" in str(err.value)
+    assert steps.seen == 0 and not (tmp_path / "run" / "checkpoints").exists()
+    # Without checkpoints nothing needs the settings saved: the same optimizer trains.
+    trainer(tmp_path / "off", opt=_tagged_groups, checkpoint=xlatrain.CheckpointConfig(enabled=False)).fit(data())
+
+
 def test_a_disk_that_fills_mid_run_stops_with_the_space_named_and_the_last_checkpoint_kept(tmp_path):
     run_dir = tmp_path / "run"
     proc = _in_small_filesystem("2200k", run_dir, *DISK_ARGS, "--set", f"trainer.run_dir={run_dir}",

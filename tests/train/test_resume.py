@@ -266,6 +266,71 @@ def test_nan_policy_ignore_trains_on_and_reports_nan(tmp_path):
     assert history[0]["train_loss"] != history[0]["train_loss"]
 
 
+class _StopAt:
+    """SIGTERM to this process at one interval: the run checkpoints that step and exits."""
+
+    def __init__(self, epoch, step):
+        self.at = (epoch, step)
+
+    def on_interval(self, trainer, values):
+        if (values["epoch"], values["step"]) == self.at:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _tensor_lr_fit(run_dir, callbacks=()):
+    """Adam with its rate a tensor, as torch's compiled optimizer step takes one, moved every step."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 4, generator=g)
+    trainer = xlatrain.Trainer(
+        nn.Linear(4, 2), nn.CrossEntropyLoss(), functools.partial(torch.optim.Adam, lr=torch.tensor(0.01)),
+        scheduler_fn=functools.partial(torch.optim.lr_scheduler.LambdaLR, lr_lambda=lambda n: 0.95 ** n),
+        config=xlatrain.TrainConfig(epochs=2, batch_size=8, run_dir=str(run_dir), log_every=1, tensorboard=False,
+                                    scheduler_interval="step"),
+        checkpoint=xlatrain.CheckpointConfig(every_steps=2), callbacks=list(callbacks), backend="cpu")
+    return trainer, trainer.fit(TensorDataset(x, (x[:, 0] > 0).long()))
+
+
+class _Settings:
+    """The rate and the scheduler's base rate as the run starts its first step (after a resume's load)."""
+
+    def on_fit_start(self, trainer):
+        self.lr, self.base_lr = trainer.optimizer.param_groups[0]["lr"], trainer.scheduler.base_lrs[0]
+        self.lr_value = float(self.lr)
+
+
+def test_a_tensor_learning_rate_is_checkpointed_and_resumes_as_the_same_tensor(tmp_path):
+    whole, history = _tensor_lr_fit(tmp_path / "whole")
+    with pytest.raises(SystemExit):
+        _tensor_lr_fit(tmp_path / "cut", [_StopAt(2, 3)])
+    settings = _Settings()
+    resumed, again = _tensor_lr_fit(tmp_path / "cut", [settings])
+    assert _without_timing(again) == _without_timing(history)
+    assert [r["lr"] for r in history] == pytest.approx([0.01, 0.01 * 0.95 ** 8])
+    # Loaded as they were built: tensors, holding the saved step's values (11 optimizer steps done).
+    assert isinstance(settings.lr, torch.Tensor) and settings.lr_value == pytest.approx(0.01 * 0.95 ** 11)
+    assert isinstance(settings.base_lr, torch.Tensor) and settings.base_lr.item() == pytest.approx(0.01)
+    assert all(torch.equal(a, b) for a, b in zip(whole.model.parameters(), resumed.model.parameters()))
+
+
+def test_a_run_resumed_mid_epoch_records_the_rate_its_epoch_began_with(tmp_path):
+    def stepped(run_dir, callbacks=()):
+        torch.manual_seed(0)
+        return xlatrain.Trainer(
+            nn.Linear(4, 2), nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1),
+            scheduler_fn=functools.partial(torch.optim.lr_scheduler.LambdaLR, lr_lambda=lambda n: 0.9 ** n),
+            config=xlatrain.TrainConfig(epochs=2, batch_size=4, run_dir=str(run_dir), log_every=1, tensorboard=False,
+                                        scheduler_interval="step"),
+            checkpoint=xlatrain.CheckpointConfig(every_steps=1), callbacks=list(callbacks), backend="cpu")
+
+    whole = stepped(tmp_path / "whole").fit(_tiny_data())
+    assert [r["lr"] for r in whole] == pytest.approx([0.1, 0.1 * 0.9 ** 10])
+    with pytest.raises(SystemExit):
+        stepped(tmp_path / "cut", [_StopAt(2, 3)]).fit(_tiny_data())
+    resumed = stepped(tmp_path / "cut").fit(_tiny_data())  # at step 3 the rate was 0.1 * 0.9 ** 13
+    assert [r["lr"] for r in resumed] == pytest.approx([r["lr"] for r in whole])
+
+
 def test_resume_false_starts_a_new_run_directory_and_keeps_the_old_one(tmp_path, capsys):
     run_dir = tmp_path / "run"
     _tiny_trainer(run_dir).fit(_tiny_data())

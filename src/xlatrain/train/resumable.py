@@ -33,10 +33,13 @@ from xlatrain.storage import lock as run_lock
 from xlatrain.storage.remote_run import stale_after_s
 from xlatrain.train.state import (
     Cursor,
+    check_saveable,
     pack_meta,
     pack_whole,
+    restore_settings,
     resume_changes,
     saved_shapes,
+    settings_tensors,
     sharded_extra,
     unpack_meta,
     unpack_whole,
@@ -52,6 +55,8 @@ def resume(trainer: Trainer, resume: bool | str) -> tuple[Cursor, dict[str, torc
     with the model, optimizer, schedule and random streams restored from the checkpoint."""
     rt, st, run_dir = trainer.runtime, trainer.strategy, trainer._dir
     cursor, sums = Cursor(), trainer._new_sums()
+    if trainer.checkpoint.enabled:
+        check_saveable(trainer.optimizer, trainer.scheduler)
     if resume in (False, "overwrite"):
         return cursor, sums
     if resume == "auto":
@@ -71,13 +76,14 @@ def resume(trainer: Trainer, resume: bool | str) -> tuple[Cursor, dict[str, torc
     # How the optimizer computes (fused, foreach, ...) is this run's choice, not the checkpoint's:
     # a state saved by a fused CUDA or single-device run also resumes under FSDP, whose sharded
     # parameters have no fused kernel.
-    implementation = optimizer_implementation(trainer.optimizer)
+    implementation, tensors_kept = optimizer_implementation(trainer.optimizer), settings_tensors(trainer.optimizer)
     if tensors is None:  # a sharded state: each process reads the chunks its layout needs
         st.load_sharded(path / SHARDS_DIR, trainer.model, trainer.optimizer, meta["sharded"])
     else:
         weights, optim_state = unpack_whole(tensors, meta)
         st.load_whole(trainer.model, trainer.optimizer, weights, optim_state)
     restore_implementation(trainer.optimizer, implementation)
+    restore_settings(trainer.optimizer, tensors_kept)
     cursor, per_process_sums, rng = unpack_meta(meta, trainer.scheduler)
     if trainer.grad_scaler is not None and "grad_scaler" in meta:
         trainer.grad_scaler.load_state_dict(meta["grad_scaler"])

@@ -36,6 +36,7 @@ class Cursor:
     best: float = math.nan
     best_epoch: int | None = None
     best_checkpoint: str | None = None  # the checkpoint saved at the end of best_epoch, kept by pruning
+    epoch_lr: float | None = None  # the learning rate as ``epoch`` began: its history row's "lr"
     history: list[dict[str, Any]] = field(default_factory=list)
 
     def next_position(self) -> tuple[int, int]:
@@ -58,12 +59,90 @@ def _versions() -> dict[str, str]:
 def _jsonable(name: str, value: Any) -> Any:
     try:
         json.dumps(value)
-    except TypeError as exc:
+    except (TypeError, ValueError):
+        where, kind = _unsaveable(value)
         raise ValueError(
-            f"{name} holds values that cannot be saved as JSON ({exc}); checkpoints never pickle. "
-            "Use a scheduler/optimizer whose state_dict holds numbers, strings and tensors only."
+            f"{name}: {where or 'the value'} is a {kind}, which a checkpoint cannot hold (settings are "
+            "saved as JSON: numbers, one-number tensors, strings, lists; checkpoints never pickle). Give the "
+            "optimizer or scheduler one of those there, or save no checkpoints (CheckpointConfig(enabled=False))."
         ) from None
     return value
+
+
+def plain_settings(param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Parameter groups with their one-number tensors as numbers, for JSON.
+
+    ``lr=torch.tensor(0.01)`` is how torch's compiled optimizer step takes a rate that a scheduler
+    changes without recompiling (the scheduler's ``base_lrs`` are tensors then too);
+    :func:`with_tensors` gives a loaded state its tensors back.
+    """
+    return [_number(group) for group in param_groups]
+
+
+def _number(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.dim() == 0:
+        return value.tolist()  # a Python float, int or bool, as the tensor's dtype is
+    if isinstance(value, dict):
+        return {k: _number(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_number(v) for v in value)
+    return value
+
+
+def settings_tensors(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each parameter group's settings that hold tensors, kept before a state is loaded over them."""
+    return [{k: v for k, v in group.items() if k != "params" and _number(v) is not v} for group in optimizer.param_groups]
+
+
+def restore_settings(optimizer: torch.optim.Optimizer, kept: list[dict[str, Any]]) -> None:
+    """The loaded numbers, put into the tensors :func:`settings_tensors` kept, in their places."""
+    for group, tensors in zip(optimizer.param_groups, kept):
+        group.update(with_tensors(tensors, group))
+
+
+def with_tensors(current: dict[str, Any], loaded: dict[str, Any]) -> dict[str, Any]:
+    """``loaded`` with its numbers written into ``current``'s tensors at the same keys, and those
+    tensors in their places: a scheduler that writes the rate into the tensor in place keeps doing
+    so, and a compiled step sees the tensor it was compiled for. Saved, they were numbers."""
+    return {k: _filled(current[k], v) if k in current and _number(current[k]) is not current[k] else v
+            for k, v in loaded.items()}
+
+
+def _filled(kept: Any, loaded: Any) -> Any:
+    if isinstance(kept, torch.Tensor):
+        with torch.no_grad():
+            kept.fill_(loaded)
+        return kept
+    if isinstance(kept, (list, tuple)) and isinstance(loaded, (list, tuple)) and len(kept) == len(loaded):
+        return type(kept)(_filled(k, v) for k, v in zip(kept, loaded))
+    if isinstance(kept, dict) and isinstance(loaded, dict):
+        return with_tensors(kept, loaded)
+    return loaded
+
+
+def _unsaveable(value: Any, where: str = "") -> tuple[str, str]:
+    """Where in ``value`` the first thing JSON cannot hold is (``"[0]['lr']"``), and its type."""
+    if isinstance(value, dict):
+        items: Any = ((f"[{k!r}]", v) for k, v in value.items())
+    elif isinstance(value, (list, tuple)):
+        items = ((f"[{i}]", v) for i, v in enumerate(value))
+    elif value is None or isinstance(value, (bool, int, float, str)):
+        return "", ""
+    else:
+        return where, type(value).__name__
+    for key, item in items:
+        found = _unsaveable(item, where + key)
+        if found[1]:
+            return found
+    return "", ""
+
+
+def check_saveable(optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
+    """Refuse, before the first step, an optimizer or scheduler whose settings no checkpoint can
+    hold: otherwise the run would stop at its first checkpoint, with that much training lost."""
+    _jsonable("optimizer param_groups", plain_settings(optimizer.state_dict()["param_groups"]))
+    if scheduler is not None:
+        _jsonable("scheduler state", _number(scheduler.state_dict()))
 
 
 def pack_meta(
@@ -79,7 +158,7 @@ def pack_meta(
         "format": FORMAT_VERSION,
         "cursor": {k: v for k, v in dataclasses.asdict(cursor).items() if k != "history"},
         "history": cursor.history,
-        "scheduler": _jsonable("scheduler state", scheduler.state_dict()) if scheduler is not None else None,
+        "scheduler": _jsonable("scheduler state", _number(scheduler.state_dict())) if scheduler is not None else None,
         "rng": rng_states,
         # Each process's running sums of the epoch (float32 values, exact as JSON floats).
         "sums": sums_per_process,
@@ -116,7 +195,7 @@ def pack_whole(
     return tensors, {
         "model_aliases": aliases,
         "optimizer": {
-            "param_groups": _jsonable("optimizer param_groups", opt_state["param_groups"]),
+            "param_groups": _jsonable("optimizer param_groups", plain_settings(opt_state["param_groups"])),
             "scalars": _jsonable("optimizer state", scalars),
         },
     }
@@ -124,7 +203,7 @@ def pack_whole(
 
 def sharded_extra(extra: dict[str, Any]) -> dict[str, Any]:
     """The JSON part of a sharded state (optimizer hyper-parameters and scalars), checked."""
-    return {"param_groups": _jsonable("optimizer param_groups", extra["param_groups"]),
+    return {"param_groups": _jsonable("optimizer param_groups", plain_settings(extra["param_groups"])),
             "scalars": _jsonable("optimizer state", extra["scalars"])}
 
 
@@ -148,7 +227,7 @@ def unpack_meta(meta: dict[str, Any], scheduler: Any) -> tuple[Cursor, list[dict
     if meta.get("format") != FORMAT_VERSION:
         raise ValueError(f"checkpoint format {meta.get('format')!r} is not supported (expected {FORMAT_VERSION})")
     if scheduler is not None and meta["scheduler"] is not None:
-        scheduler.load_state_dict(meta["scheduler"])
+        scheduler.load_state_dict(with_tensors(scheduler.state_dict(), meta["scheduler"]))
     raw = dict(meta["cursor"])
     raw["best"] = math.nan if raw.get("best") is None else raw["best"]
     cursor = Cursor(**raw, history=list(meta["history"]))

@@ -401,8 +401,10 @@ class Trainer:
             stop = run.enter_context(StopSignals(self._say))
             obs.call("on_fit_start", self)
             for epoch in range(first_epoch, cfg.epochs + 1):
+                if not start_step or cursor.epoch_lr is None:  # resumed mid-epoch, a schedule may have moved on
+                    cursor.epoch_lr = float(self.optimizer.param_groups[0]["lr"])
                 cursor.epoch, cursor.step, cursor.epoch_done = epoch, start_step, False
-                lr, num_steps = self.optimizer.param_groups[0]["lr"], feed.steps_per_epoch
+                lr, num_steps = cursor.epoch_lr, feed.steps_per_epoch
                 obs.call("on_epoch_start", self, epoch)  # every epoch, a resumed one included
                 ep = self._epoch_start(feed, epoch, start_step, warm=WARMUP_STEPS if epoch == first_epoch else 0)
                 extra = False
@@ -513,8 +515,7 @@ class Trainer:
                          "each EMA evaluation" if cfg.ema_bn_batches else ""))
         self._say(f"memory per device, before the first step: {self.memory_plan.summary()}")
         self._say(self.throughput.summary())
-        note = feed.length_note()
-        if note:
+        if note := feed.length_note():
             self._say(note)
         if self._patience_spent(cursor):
             self._say(
