@@ -4,6 +4,7 @@ import io
 import json
 import os
 import platform
+import re
 import stat
 import subprocess
 import sys
@@ -121,6 +122,7 @@ def test_clean_environment_is_usable_with_exit_0(base_env, no_pci):
     assert found["XLA devices"].value.startswith("1 x CPU")
     assert found["PJRT device"].value.startswith("CPU (PJRT_DEVICE unset")
     assert str(default_cache_dir(base_env)) in found["Compile cache"].value
+    assert re.fullmatch(r"[\d.]+ GB total, [\d.]+ GB available", found["Host memory"].value)  # the run header's units
     assert "Result: usable" in render_text(report)
     xla, tpu = runtime(report, "torch_xla"), runtime(report, "TorchTPU")
     assert (xla.runs_here, xla.installed) == (True, "torch_xla 2.9.0") and "1 x CPU" in xla.why

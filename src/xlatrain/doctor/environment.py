@@ -593,8 +593,9 @@ def _is_on(value: str) -> bool:
     return value.strip().lower() not in _FALSY
 
 
-def _gib(kib: int) -> str:
-    return f"{kib / 2**20:.1f} GiB"
+def _gb(kib: int) -> str:
+    # Decimal, as the run header and the memory plan give memory.
+    return f"{kib * 1024 / 1e9:.1f} GB"
 
 
 def _meminfo() -> dict[str, int]:
@@ -871,7 +872,7 @@ def collect(
 
     mem = _meminfo()
     if "MemTotal" in mem:
-        rows.append(Row("Host memory", f"{_gib(mem['MemTotal'])} total, {_gib(mem.get('MemAvailable', 0))} available"))
+        rows.append(Row("Host memory", f"{_gb(mem['MemTotal'])} total, {_gb(mem.get('MemAvailable', 0))} available"))
     try:
         usable_cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
