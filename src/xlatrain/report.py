@@ -341,7 +341,8 @@ def write_comparison(run_dirs: Sequence[str | Path], out_dir: str | Path | None 
         rows = _history(d)
         config, source = read_run_config(d)
         monitor, mode = _monitor(config, rows)
-        runs.append({"dir": d, "name": name, "rows": rows, "config": flatten_keys(config, lambda name, value: bool(value)), "source": source,
+        # Every section opened: an empty one (a recipe's defaults, nothing set) records no key.
+        runs.append({"dir": d, "name": name, "rows": rows, "config": flatten_keys(config), "source": source,
                      "monitor": monitor, "mode": mode, "scores": _scores(rows, monitor, mode)})
     keys = sorted({k for r in runs for k in r["config"]} - _SAME_BY_NATURE)
     # A key some runs' configs lack: those ran with whatever default their recipe or code had,
