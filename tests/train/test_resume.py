@@ -111,6 +111,17 @@ def test_one_signal_stops_after_the_step_and_a_second_exits_at_once(tmp_path):
     assert "stopped after" not in out, out
     assert before and list_checkpoints(tmp_path / "two" / "checkpoints") == before  # nothing saved
     assert find_resumable(tmp_path / "two" / "checkpoints") is not None
+    # SIGINT and then, at once, SIGTERM (torchrun's forward of a Ctrl-C): one request, one save.
+    gate = tmp_path / "gate-three"
+    proc = _held_in_a_step(tmp_path / "three", gate, every=100)
+    proc.send_signal(signal.SIGINT)
+    _wait_for_line(proc, "SIGINT: finishing this step")
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.2)
+    gate.unlink()
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGINT and "SIGINT: stopped after epoch 1 step" in out, out
+    assert find_resumable(tmp_path / "three" / "checkpoints") is not None
 
 
 def _kill_job(proc):
@@ -208,16 +219,18 @@ def test_damaged_or_incomplete_checkpoints_are_skipped_with_a_named_warning(tmp_
         read_checkpoint(previous)
 
 
-def _tiny_trainer(run_dir, loss_fn=None, **cfg):
+def _tiny_trainer(run_dir, loss_fn=None, callbacks=(), checkpoint=True, **cfg):
     torch.manual_seed(0)
     cfg.setdefault("epochs", 1)
     cfg.setdefault("batch_size", 4)
+    cfg.setdefault("log_every", 2)
     return xlatrain.Trainer(
         nn.Linear(4, 2),
         loss_fn or nn.CrossEntropyLoss(),
         functools.partial(torch.optim.SGD, lr=0.1),
-        config=xlatrain.TrainConfig(log_every=2, run_dir=str(run_dir), **cfg),
-        checkpoint=xlatrain.CheckpointConfig(every_steps=1),
+        config=xlatrain.TrainConfig(run_dir=str(run_dir), **cfg),
+        checkpoint=xlatrain.CheckpointConfig(every_steps=1) if checkpoint else xlatrain.CheckpointConfig(enabled=False),
+        callbacks=list(callbacks),
         backend="cpu",
     )
 
@@ -311,6 +324,29 @@ def test_a_tensor_learning_rate_is_checkpointed_and_resumes_as_the_same_tensor(t
     assert isinstance(settings.lr, torch.Tensor) and settings.lr_value == pytest.approx(0.01 * 0.95 ** 11)
     assert isinstance(settings.base_lr, torch.Tensor) and settings.base_lr.item() == pytest.approx(0.01)
     assert all(torch.equal(a, b) for a, b in zip(whole.model.parameters(), resumed.model.parameters()))
+
+
+def test_a_stop_says_how_to_resume_the_run_it_stopped(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="xlatrain")
+    with pytest.raises(SystemExit):
+        _tiny_trainer(tmp_path / "a", log_every=1, callbacks=[_StopAt(1, 3)]).fit(_tiny_data())
+    assert "Run the same command again to resume (resume='auto')" in caplog.text
+    # After resume='overwrite' (--overwrite), the same command again would clear what was just saved.
+    caplog.clear()
+    with pytest.raises(SystemExit):
+        _tiny_trainer(tmp_path / "a", log_every=1, callbacks=[_StopAt(1, 3)]).fit(_tiny_data(), resume="overwrite")
+    assert "same command again to resume" not in caplog.text
+    assert f"To resume, run with resume='auto' in {tmp_path / 'a'} (on the command line: without --fresh, " \
+           f"--overwrite or --resume, and with --set trainer.run_dir={tmp_path / 'a'})" in caplog.text
+    assert _tiny_trainer(tmp_path / "a").fit(_tiny_data())  # and that resumes: it trains what was left
+    assert "continuing at epoch 1, step 3" in caplog.text
+    # Without checkpoints no stop promises one.
+    caplog.clear()
+    with pytest.raises(SystemExit):
+        _tiny_trainer(tmp_path / "off", log_every=1, callbacks=[_StopAt(1, 3)], checkpoint=False).fit(_tiny_data())
+    assert "then stopping (checkpoints are off: the run cannot resume)" in caplog.text
+    assert "stopped after epoch 1 step 3 without a checkpoint (checkpoints are off)" in caplog.text
+    assert "saving a checkpoint" not in caplog.text and "to resume" not in caplog.text.lower().replace("cannot resume", "")
 
 
 def test_a_run_resumed_mid_epoch_records_the_rate_its_epoch_began_with(tmp_path):

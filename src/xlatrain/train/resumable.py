@@ -211,12 +211,22 @@ def preempt(trainer: Trainer, cursor: Cursor, sums: dict[str, torch.Tensor], sto
     trainer.strategy.barrier()
     # A process that was not signalled stops because a peer was: every process stops at this
     # same step, and only a Ctrl-C (SIGINT) of this process makes its exit code non-zero.
-    trainer._say(
-        f"{name}: stopped after epoch {cursor.epoch} step {cursor.step}"
-        + (f"; checkpoint {path}" if path else "")
-        + ". Run the same command again to resume (resume='auto')."
-    )
+    trainer._say(f"{name}: stopped after epoch {cursor.epoch} step {cursor.step}" + _how_to_resume(trainer, path))
     raise SystemExit(128 + stop.signum if stop.signum not in (None, signal.SIGTERM) else 0)
+
+
+def _how_to_resume(trainer: Trainer, path: Path | None) -> str:
+    if not trainer.checkpoint.enabled:
+        return " without a checkpoint (checkpoints are off): this run cannot be resumed."
+    saved = f"; checkpoint {path}" if path else ""  # the main process names it
+    if trainer._dir.resume == "auto":
+        return f"{saved}. Run the same command again to resume (resume='auto')."
+    # The same command again would clear this run (--overwrite), start another beside it
+    # (--fresh), or go back to the checkpoint it named (--resume PATH).
+    where = trainer.run_location
+    return (f"{saved}. To resume, run with resume='auto' in {where} (on the command line: without "
+            f"--fresh, --overwrite or --resume, and with --set trainer.run_dir={where}); the same command again "
+            "would not continue this run.")
 
 
 def explicit_checkpoint(path: Path, group: Any) -> tuple[Path, dict[str, torch.Tensor] | None, dict[str, Any]]:
@@ -276,11 +286,12 @@ class StopSignals:
     run keeps Python's defaults.
     """
 
-    def __init__(self, say: Callable[[str], None]) -> None:
+    def __init__(self, say: Callable[[str], None], *, saves: bool = True) -> None:
         self.signum: int | None = None
         self._at = 0.0
         self._previous: dict[int, Any] = {}
         self._say = say
+        self._saves = saves  # checkpoints are on
 
     @property
     def requested(self) -> bool:
@@ -288,8 +299,10 @@ class StopSignals:
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.signum is not None:
-            if signum == self.signum and time.monotonic() - self._at < DUPLICATE_S:
-                return  # the same request twice: a launcher forwarded what the process group also got
+            if time.monotonic() - self._at < DUPLICATE_S:
+                # The same request twice: a launcher forwarded what the process group also got
+                # (torchrun turns a Ctrl-C's SIGINT into a SIGTERM to each worker).
+                return
             # At once, and with this process's workers (data loading, shard decoding): they ignore
             # the signal, and one left behind would hold the terminal or the launcher's pipe.
             for child in multiprocessing.active_children():
@@ -297,7 +310,8 @@ class StopSignals:
             os._exit(128 + signum)  # files are written atomically: nothing is left torn
         self.signum, self._at = signum, time.monotonic()
         name = signal.Signals(signum).name
-        self._say(f"{name}: finishing this step, then saving a checkpoint; a second {name} stops at once")
+        then = "saving a checkpoint" if self._saves else "stopping (checkpoints are off: the run cannot resume)"
+        self._say(f"{name}: finishing this step, then {then}; a second {name} stops at once")
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():

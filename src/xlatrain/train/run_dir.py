@@ -57,6 +57,7 @@ class RunDirectory:
         st = self._strategy
         base = Path(self.configured)
         self.remote = None
+        self.resume = resume  # what a stop tells the user to run again
         if storage.is_url(self.configured):
             url = self.configured.rstrip("/")
             if resume is False and RemoteRun(url).holds_a_run():

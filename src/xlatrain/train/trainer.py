@@ -398,7 +398,7 @@ class Trainer:
         self._dir.write_status("running", epoch=first_epoch, step=start_step)
         with contextlib.ExitStack() as run:
             obs = self._observers = self._run_observers(run, cursor, first_epoch)
-            stop = run.enter_context(StopSignals(self._say))
+            stop = run.enter_context(StopSignals(self._say, saves=self.checkpoint.enabled))
             obs.call("on_fit_start", self)
             for epoch in range(first_epoch, cfg.epochs + 1):
                 if not start_step or cursor.epoch_lr is None:  # resumed mid-epoch, a schedule may have moved on
