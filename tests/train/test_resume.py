@@ -349,6 +349,39 @@ def test_a_stop_says_how_to_resume_the_run_it_stopped(tmp_path, caplog):
     assert "saving a checkpoint" not in caplog.text and "to resume" not in caplog.text.lower().replace("cannot resume", "")
 
 
+def _one_cycle(optimizer, run):
+    return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=run.total_steps)
+
+
+@pytest.mark.parametrize("schedule, refused", [
+    (lambda epochs: functools.partial(torch.optim.lr_scheduler.CosineAnnealingLR, T_max=epochs),
+     "CosineAnnealingLR's T_max 2 -> 4"),
+    (lambda epochs: _one_cycle, "OneCycleLR's total_steps 20 -> 40"),
+    (lambda epochs: functools.partial(torch.optim.lr_scheduler.StepLR, step_size=1), None),
+])
+def test_more_epochs_under_a_schedule_sized_for_the_old_length_are_refused_before_anything_loads(
+        schedule, refused, tmp_path):
+    def trainer(epochs):
+        torch.manual_seed(0)
+        return xlatrain.Trainer(nn.Linear(4, 2), nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1),
+                                scheduler_fn=schedule(epochs), config=xlatrain.TrainConfig(
+                                    epochs=epochs, batch_size=4, run_dir=str(tmp_path), tensorboard=False),
+                                backend="cpu")
+
+    trainer(2).fit(_tiny_data())
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and p.name != ".xlatrain.lock"}
+    if refused is None:  # a schedule of its own pace goes on
+        assert len(trainer(4).fit(_tiny_data())) == 4
+        return
+    with pytest.raises(ValueError) as err:
+        trainer(4).fit(_tiny_data())
+    message = str(err.value)
+    assert f"with trainer.epochs 2 -> 4: the learning-rate schedule holds the run's length ({refused})" in message
+    assert "Keep epochs=2" in message and f"--fresh --set model.pretrained={tmp_path}/best.safetensors" in message
+    after = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and p.name != ".xlatrain.lock"}
+    assert after == before  # nothing trained, nothing written
+
+
 def test_a_run_resumed_mid_epoch_records_the_rate_its_epoch_began_with(tmp_path):
     def stepped(run_dir, callbacks=()):
         torch.manual_seed(0)

@@ -132,8 +132,38 @@ def check_resumable(trainer: Trainer, path: Path, tensors: dict[str, torch.Tenso
     continued, refused = resume_changes(old, trainer._config_record, epochs_done=done)
     if refused:
         raise ValueError(f"cannot resume from {path}: the run cannot continue under {'; '.join(refused)}. {ways_on}")
+    was, now = old.get("trainer", {}).get("epochs"), trainer.config.epochs
+    if was is not None and was != now and trainer.scheduler is not None:
+        _refuse_a_schedule_of_another_length(trainer, path, meta, was, now)
     if continued:
         trainer._say(f"resuming with changed settings: {'; '.join(continued)}")
+
+
+# What a torch scheduler's state holds of where it stands, not of what it was built to do.
+_SCHEDULE_PROGRESS = {"last_epoch", "_step_count", "_get_lr_called_within_step", "_last_lr", "_is_initial", "base_lrs"}
+
+
+def _refuse_a_schedule_of_another_length(trainer: Trainer, path: Path, meta: dict[str, Any], was: int, now: int) -> None:
+    """More (or fewer) epochs, and a schedule whose saved settings hold the run's length (a
+    cosine's ``T_max``, OneCycleLR's ``total_steps``: they differ from a schedule built now):
+    restored, it keeps the old length (the cosine reaches its floor at the old last epoch and stays
+    there; OneCycleLR raises at its first step past its end). A schedule of its own pace (StepLR)
+    goes on; one whose length lives in a function (LambdaLR) follows the new length from the step
+    reached, as its function is the one built now."""
+    fresh, saved = trainer.scheduler.state_dict(), meta.get("scheduler") or {}
+    differ = [f"{k} {saved[k]!r} -> {v!r}" for k, v in fresh.items()
+              if k in saved and k not in _SCHEDULE_PROGRESS and isinstance(v, (int, float)) and v != saved[k]]
+    if not differ:
+        return
+    built = f"{type(trainer.scheduler).__name__}'s " + ", ".join(differ)
+    raise ValueError(
+        f"cannot resume from {path} with trainer.epochs {was} -> {now}: the learning-rate schedule holds the run's "
+        f"length ({built}), and the checkpoint restores it as it was, planned for {was} epochs, not {now} (past its "
+        f"end a cosine stays at its floor; OneCycleLR raises). Keep epochs={was} to finish this run, or train "
+        "on in a new run that starts from its weights: on the command line, --fresh --set "
+        f"model.pretrained={trainer.run_location}/best.safetensors (or a checkpoint exported with xlatrain export); "
+        "in Python, load those weights into the model and fit(..., resume=False)."
+    )
 
 
 def save_checkpoint(trainer: Trainer, cursor: Cursor, sums: dict[str, torch.Tensor]) -> Path | None:
