@@ -74,3 +74,10 @@ def test_yaml_python_tags_are_refused_and_nothing_runs(tmp_path):
 def test_yaml_top_level_must_be_a_mapping():
     with pytest.raises(ValueError, match="top level must be a mapping"):
         load_yaml("- 1\n- 2\n")
+
+
+def test_yaml_reads_a_rate_written_without_a_dot_as_the_float_it_is():
+    # YAML 1.1 (PyYAML) wants 2.0e-3; a config file writes 2e-3, as --set does.
+    data = load_yaml("optimizer:\n  lr: 2e-3\n  weight_decay: 1E-4\n  eps: 1.0e-8\nrun:\n  name: v1e3\n  tag: '2e-3'\n")
+    assert data["optimizer"] == {"lr": 0.002, "weight_decay": 0.0001, "eps": 1e-8}
+    assert data["run"] == {"name": "v1e3", "tag": "2e-3"}  # words and quoted strings stay strings

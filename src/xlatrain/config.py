@@ -7,6 +7,7 @@ YAML files (and ``--set key=value`` overrides) only serialise these; every check
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -379,12 +380,26 @@ def from_dict(cls: type[C], values: dict[str, Any], section: str | None = None) 
         raise ValueError(message if message.startswith(where) else f"{where}{message}") from None
 
 
+def _safe_loader() -> Any:
+    """PyYAML's safe loader, reading ``2e-3`` as the float it is: PyYAML follows YAML 1.1, whose
+    floats need a dot (``2.0e-3``), so a learning rate written the usual way arrived as a string."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+        list("-+0123456789"))
+    return Loader
+
+
 def load_yaml(text: str, source: str = "<config>") -> dict[str, Any]:
     """Parse YAML with the safe loader: plain data only, no tags that construct Python objects."""
     import yaml
 
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_safe_loader())  # noqa: S506 - a SafeLoader
     except yaml.constructor.ConstructorError as exc:
         raise ValueError(
             f"{source}: {exc.problem} ({exc.problem_mark}); Python object tags are not allowed in "
@@ -550,10 +565,10 @@ def _parse_value(text: str) -> Any:
     """A ``--set`` value as YAML would read it (``3`` -> 3, ``true`` -> True, ``1e-3`` -> 0.001)."""
     import yaml
 
-    value = yaml.safe_load(text)
+    value = yaml.load(text, Loader=_safe_loader())  # noqa: S506 - a SafeLoader
     if isinstance(value, str):
         try:
-            return float(value)  # YAML 1.1 reads 1e-3 as a string
+            return float(value)  # inf, nan
         except ValueError:
             return value
     return value
