@@ -167,6 +167,10 @@ def _pretrained_path(pretrained: bool | str | Path) -> Path | None:
     return Path(pretrained)
 
 
+class WeightsFileMissing(FileNotFoundError, ValueError):
+    """A weights path that names no file: bad input (the command line says so without a traceback)."""
+
+
 def load_state_dict_file(path: str | Path) -> dict[str, torch.Tensor]:
     """Read a state dict from ``.safetensors`` or a ``torch.save``-d ``.pt`` / ``.pth`` / ``.bin``.
 
@@ -175,7 +179,7 @@ def load_state_dict_file(path: str | Path) -> dict[str, torch.Tensor]:
     """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(
+        raise WeightsFileMissing(
             f"pretrained weights file {str(path)!r} does not exist: give the path of a local "
             ".safetensors / .pt / .pth file (xlatrain never downloads weights)"
         )
