@@ -186,23 +186,31 @@ def test_a_monitor_only_metrics_fn_can_name_is_said_before_training_and_checked_
             warnings.warn("too few rows for a score")  # the dry run's two rows: not the run's warning
         return {"f1": 0.5}
 
-    def fit(monitor):
+    def fit(monitor, run=None):
         caplog.clear()
         trainer = Trainer(_mlp(), nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1), metrics_fn=metrics_fn,
-                          config=TrainConfig(epochs=2, batch_size=8, run_dir=str(tmp_path / monitor), monitor=monitor,
-                                             monitor_mode="max"), backend="cpu")
+                          config=TrainConfig(epochs=2, batch_size=8, run_dir=str(tmp_path / (run or monitor)),
+                                             monitor=monitor, monitor_mode="max"), backend="cpu")
         return trainer.fit(_classification(32), _classification(10))
 
     # metrics_fn runs on two validation rows before training: its names are known then.
     assert len(fit("val_f1")) == 2 and "note: monitor=" not in caplog.text
-    with pytest.raises(ValueError, match=r"monitor='val_f2' is not a history column; available: .*val_f1"):
+    with pytest.raises(ValueError, match=r"monitor='val_f2' is not a history column; available: .*val_f1.* \(did you "
+                                         r"mean 'val_f1'\?\)\. Epoch 1 is written and checkpointed: set monitor"):
         fit("val_f2")
-    note = next(r for r in caplog.records if r.getMessage().startswith("note: monitor='val_f2'"))
+    note = next(r for r in caplog.records if r.getMessage().startswith("note: monitor='val_f2' (did you mean 'val_f1'?)"))
     header = next(r for r in caplog.records if r.getMessage().startswith("model FLOPs"))
     assert caplog.records.index(note) < caplog.records.index(header)  # said with the header, before the first step
     assert "metrics_fn returned f1 on two validation rows" in note.getMessage()
     assert "val_accuracy" in note.getMessage() and "stops the run there" in note.getMessage()
     assert not [w for w in recwarn if "too few rows" in str(w.message)]
+    # The epoch it stopped after is kept: the corrected monitor resumes there (no best was judged yet).
+    history = fit("val_f1", run="val_f2")
+    assert [r["epoch"] for r in history] == [1, 2] and "continuing at epoch 2" in caplog.text
+    assert "resuming with changed settings: trainer.monitor 'val_f2' -> 'val_f1'" in caplog.text
+    # Once a best was judged by a monitor, it stays.
+    with pytest.raises(ValueError, match=r"trainer\.monitor 'val_f1' -> 'val_accuracy'"):
+        fit("val_accuracy", run="val_f2")
 
     def raising(outputs, targets):
         if len(targets) < 3:

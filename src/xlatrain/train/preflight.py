@@ -3,6 +3,8 @@ and computes. Whatever cannot work fails here, with its cause, and not after an 
 
 from __future__ import annotations
 
+import difflib
+import math
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -400,16 +402,37 @@ def check_monitor(trainer: Trainer, val_data: Any | None, names: list[str] | Non
             said = (f"it is not among the columns known before training ({', '.join(sorted(columns))}) and must come "
                     f"from {source}")
         trainer._say(
-            f"note: monitor={monitor!r}: {said}; the history's columns are known once the first validation, after "
-            "epoch 1, has run, and a monitor not among them stops the run there"
+            f"note: monitor={monitor!r}{_did_you_mean(monitor, columns)}: {said}; the history's columns are known once "
+            "the first validation, after epoch 1, has run, and a monitor not among them stops the run there, "
+            "with the epoch saved"
         )
     if monitor not in columns and not unknowable:
         raise ValueError(
-            f"monitor={monitor!r} is not a column this run's history will have; it will have "
-            f"{', '.join(sorted(columns))}"
+            f"monitor={monitor!r} is not a column this run's history will have{_did_you_mean(monitor, columns)}; it "
+            f"will have {', '.join(sorted(columns))}"
             + ("" if val_data is not None else " (no validation data was given, so no val_ columns)")
             + ". Set monitor (trainer.monitor) to one of them, with monitor_mode for a name of your own"
         )
+
+
+def missing_monitor(trainer: Trainer, row: dict[str, Any], cursor: Any) -> ValueError:
+    """The error for a monitor an epoch's history row lacks, raised once that epoch is written and
+    checkpointed: where no best was recorded yet, the corrected monitor resumes from it."""
+    monitor = trainer.monitor
+    said = f"monitor={monitor!r} is not a history column; available: {', '.join(row)}{_did_you_mean(monitor, row)}"
+    if not math.isnan(cursor.best):
+        return ValueError(
+            f"{said}. It was one in epoch {cursor.best_epoch} (the best so far): a metrics_fn that returns it "
+            "every epoch lets the run go on")
+    saved = "written and checkpointed" if trainer.checkpoint.enabled else "written (checkpoints are off: a rerun starts over)"
+    return ValueError(
+        f"{said}. Epoch {row['epoch']} is {saved}: set monitor (trainer.monitor) to one of them and resume "
+        "(resume='auto'); no best was recorded under the old monitor, so the new one takes over from here")
+
+
+def _did_you_mean(name: str, columns: Any) -> str:
+    close = difflib.get_close_matches(name, list(columns), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def report_peak(trainer: Trainer) -> None:

@@ -129,7 +129,8 @@ def check_resumable(trainer: Trainer, path: Path, tensors: dict[str, torch.Tenso
         old = {"trainer": old}
     raw = meta.get("cursor", {})
     done = raw.get("epoch", 1) - (0 if raw.get("epoch_done") else 1)
-    continued, refused = resume_changes(old, trainer._config_record, epochs_done=done)
+    continued, refused = resume_changes(old, trainer._config_record, epochs_done=done,
+                                        best_recorded=raw.get("best_epoch") is not None)
     if refused:
         raise ValueError(f"cannot resume from {path}: the run cannot continue under {'; '.join(refused)}. {ways_on}")
     was, now = old.get("trainer", {}).get("epochs"), trainer.config.epochs

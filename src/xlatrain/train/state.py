@@ -250,7 +250,8 @@ def saved_shapes(
 # How each setting may differ when a run resumes from a checkpoint. "continue": the run goes on
 # under the new value and the log names the change. "error": the saved state was built under the
 # old value (the batch, the sample order, the optimizer and schedule, what "best" means), so
-# going on would silently mix two runs. Every TrainConfig and CheckpointConfig field is listed.
+# going on would silently mix two runs ("until a best is recorded": what "best" means may change
+# while no epoch has been judged by it). Every TrainConfig and CheckpointConfig field is listed.
 RESUME_RULES: dict[str, str] = {
     "trainer.epochs": "at least the epochs done",
     "trainer.batch_size": "continue",  # run.global_batch must hold: another device count may resume
@@ -270,8 +271,8 @@ RESUME_RULES: dict[str, str] = {
     "trainer.ema_warmup_epochs": "continue",
     "trainer.ema_bn_batches": "continue",  # how the average is scored, not what it is
     "trainer.channels_last": "continue",  # a memory order: the same numbers
-    "trainer.monitor": "error",
-    "trainer.monitor_mode": "error",
+    "trainer.monitor": "until a best is recorded",  # before that, nothing was judged by it
+    "trainer.monitor_mode": "until a best is recorded",
     "trainer.scheduler_interval": "error",
     "trainer.early_stop_patience": "continue",
     "trainer.save_best": "continue",
@@ -314,7 +315,8 @@ def _flatten(config: dict[str, Any]) -> dict[str, Any]:
     return flatten_keys(config, lambda name, value: "." in name or name in sections)
 
 
-def resume_changes(old: dict[str, Any], new: dict[str, Any], epochs_done: int) -> tuple[list[str], list[str]]:
+def resume_changes(old: dict[str, Any], new: dict[str, Any], epochs_done: int,
+                   best_recorded: bool = True) -> tuple[list[str], list[str]]:
     """Compare the checkpoint's config with the resuming run's: ``(continued, refused)`` lines.
 
     Each line is ``key old -> new``; ``refused`` ones say why the run cannot go on under them.
@@ -328,6 +330,8 @@ def resume_changes(old: dict[str, Any], new: dict[str, Any], epochs_done: int) -
             continue  # a key one side does not record (an older checkpoint, no run config) is not compared
         rule = RESUME_RULES.get(key, "error" if key.split(".")[0] in STRICT_SECTIONS else "continue")
         line = f"{key} {was!r} -> {now!r}"
+        if rule == "until a best is recorded":
+            rule = "error" if best_recorded else "continue"
         if rule == "continue":
             continued.append(line)
         elif rule == "at least the epochs done":

@@ -644,7 +644,9 @@ class Trainer:
                 self.save_weights(self.run_dir / EMA_WEIGHTS)
         if self.checkpoint.enabled and self.checkpoint.at_epoch_end:
             resumable.save_checkpoint(self, cursor, sums)
-        self._say(epoch_line(row, cfg.epochs, self.monitor, improved))
+        self._say(epoch_line(row, cfg.epochs, self.monitor, bool(improved)))
+        if improved is None:
+            raise preflight.missing_monitor(self, row, cursor)
         self.epochs_trained += 1
         if self.epochs_trained == 1:
             preflight.report_peak(self)
@@ -868,13 +870,10 @@ class Trainer:
         patience = self.config.early_stop_patience
         return patience is not None and cursor.epoch_done and cursor.epoch - (cursor.best_epoch or 0) >= patience
 
-    def _track_best(self, row: dict[str, Any], cursor: Cursor) -> bool:
+    def _track_best(self, row: dict[str, Any], cursor: Cursor) -> bool | None:
         monitor = self.monitor
         if monitor not in row:
-            raise ValueError(
-                f"monitor={monitor!r} is not a history column; available: {', '.join(row)}. Set monitor "
-                "(trainer.monitor) to one of them"
-            )
+            return None  # said once the epoch is saved (preflight.missing_monitor)
         value, best = row[monitor], cursor.best
         improved = not math.isnan(value) and (
             math.isnan(best) or (value > best if self.monitor_mode == "max" else value < best)
