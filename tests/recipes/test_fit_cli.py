@@ -141,3 +141,32 @@ def test_pe_recipe_runs_unchanged_under_torchrun_with_the_same_global_batch(tmp_
     history = json.loads((run_dir / "history.json").read_text())
     assert history[-1]["train_loss"] < history[0]["train_loss"]
     assert history[-1]["val_weighted_log_loss"] == history[-1]["val_weighted_log_loss"]
+
+
+def test_a_run_that_stops_inside_its_first_epoch_has_its_config_yaml(tmp_path):
+    from torch.utils.data import Dataset
+
+    from xlatrain.recipes.run import build_trainer
+
+    class DiskGoneAfter(Dataset):
+        """The recipe's training set, until the disk goes away a few batches in."""
+
+        def __init__(self, data, items):
+            self.data, self.items = data, items
+
+        def __len__(self):
+            return len(self.data)
+
+        def __getitem__(self, i):
+            self.items -= 1
+            if self.items < 0:
+                raise OSError("the disk went away")
+            return self.data[i]
+
+    config = load_run_config(str(CONFIGS / "digits.yaml"), [
+        "trainer.epochs=1", "data.image_size=16", "backend.accelerator=cpu", f"trainer.run_dir={tmp_path / 'run'}"])
+    trainer, parts = build_trainer(config)
+    with pytest.raises(OSError, match="the disk went away"):
+        trainer.fit(DiskGoneAfter(parts.train_data, 200), parts.val_data)
+    assert not (tmp_path / "run" / "history.json").exists()  # it stopped inside epoch 1 ...
+    assert run_config_from_dict(yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())) == config  # ... and says how it ran

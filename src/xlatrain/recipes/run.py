@@ -137,18 +137,31 @@ def build_trainer(config: RunConfig) -> tuple[Trainer, RecipeParts]:
         label_names=parts.label_names,
         metrics_fn=parts.metrics_fn,
         run_config=dataclasses.asdict(config),
+        callbacks=[_WriteConfig(config)],
     )
     return trainer, parts
 
 
+class _WriteConfig:
+    """Leaves the resolved ``config.yaml`` in the run directory as its first epoch starts, so a
+    run that is preempted, killed or fails has it too; a finished run's rerun, which trains no
+    epoch, leaves its files as they are."""
+
+    def __init__(self, config: RunConfig) -> None:
+        self.config, self.written = config, False
+
+    def on_epoch_start(self, trainer: Trainer, epoch: int) -> None:
+        if not self.written and trainer.is_main:
+            atomic_write_text(trainer.run_dir / "config.yaml", dump_yaml(self.config))
+            trainer.publish("config.yaml")
+        self.written = True
+
+
 def run(config: RunConfig, resume: bool | str = "auto") -> tuple[Trainer, list[dict[str, Any]]]:
-    """Build the recipe, train it, and leave ``config.yaml`` (resolved) in the run directory."""
+    """Build the recipe and train it; ``config.yaml`` (resolved) lands in the run directory as
+    training starts."""
     trainer, parts = build_trainer(config)
-    history = trainer.fit(parts.train_data, parts.val_data, resume=resume)
-    if trainer.backend.is_main and trainer.epochs_trained:  # a finished run's rerun leaves its files as they are
-        atomic_write_text(trainer.run_dir / "config.yaml", dump_yaml(config))
-        trainer.publish("config.yaml")
-    return trainer, history
+    return trainer, trainer.fit(parts.train_data, parts.val_data, resume=resume)
 
 
 # --- where a command that trains writes, when its user names no directory ---------------------
