@@ -382,6 +382,25 @@ def test_more_epochs_under_a_schedule_sized_for_the_old_length_are_refused_befor
     assert after == before  # nothing trained, nothing written
 
 
+class _StatusAtCheckpoints:
+    def __init__(self):
+        self.seen = []
+
+    def on_checkpoint(self, trainer, path):
+        meta = json.loads((path / "meta.json").read_text())["cursor"]
+        self.seen.append((json.loads((trainer.run_dir / "status.json").read_text()), path.name, meta))
+
+
+def test_status_json_names_the_newest_checkpoint_a_hard_kill_would_leave(tmp_path):
+    status = _StatusAtCheckpoints()
+    _tiny_trainer(tmp_path, callbacks=[status], epochs=2).fit(_tiny_data())
+    assert len(status.seen) == 20  # every step's checkpoint, 10 steps an epoch
+    for record, name, cursor in status.seen:
+        assert record["state"] == "running" and record["checkpoint"] == name
+        assert (record["epoch"], record["step"]) == (cursor["epoch"], cursor["step"])
+    assert json.loads((tmp_path / "status.json").read_text())["state"] == "finished"
+
+
 def test_a_run_resumed_mid_epoch_records_the_rate_its_epoch_began_with(tmp_path):
     def stepped(run_dir, callbacks=()):
         torch.manual_seed(0)

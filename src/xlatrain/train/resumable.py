@@ -228,6 +228,8 @@ def _write(trainer: Trainer, cursor: Cursor, sums: dict[str, torch.Tensor]) -> P
             parts = tuple(f"{SHARDS_DIR}/{shard_file(i)}" for i in range(st.num_processes)) if st.sharded_state else ()
             remote.push_checkpoint(path, already_up=parts)  # the parts went up from their writers
             remote.push_files()
+    # Where a kill -9 from here on leaves the run: what status.json says until the next one.
+    trainer._dir.write_status("running", epoch=cursor.epoch, step=cursor.step, checkpoint=path.name)
     return path
 
 
