@@ -206,9 +206,13 @@ def launch_note(chosen: str, default_dir: str, *, accelerator: str, devices: int
     """One line saying why a command writes to ``chosen`` and not to ``default_dir``."""
     asked = [f"accelerator={accelerator}"] + ([f"devices={devices}"] if devices is not None else [])
     asked += [f"{processes} processes"] if processes > 1 else []
-    return (f"xlatrain: run dir {chosen}: this command asks for {', '.join(asked)}, and {default_dir} is for "
-            f"the default devices (a run with another global batch could not resume there); {how_to_name} "
-            "names another")
+    # Keyed by what was asked, not what it resolved to: which devices "auto" finds is known only
+    # once the backend starts, and a run on another device count (another global batch) could not
+    # resume in the default's directory.
+    return (f"xlatrain: run dir {chosen}: this command asks for {', '.join(asked)}, and {default_dir} is kept for "
+            f"the default request (each request of devices gets a directory of its own: one that trains on "
+            f"another device count has another global batch, and could not resume a run of the default's); "
+            f"{how_to_name} names another")
 
 
 def with_launch_run_dir(config: RunConfig, config_path: str, overrides: Sequence[str]) -> tuple[RunConfig, str | None]:
