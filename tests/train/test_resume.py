@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -219,7 +220,7 @@ def test_damaged_or_incomplete_checkpoints_are_skipped_with_a_named_warning(tmp_
         read_checkpoint(previous)
 
 
-def _tiny_trainer(run_dir, loss_fn=None, callbacks=(), checkpoint=True, **cfg):
+def _tiny_trainer(run_dir, loss_fn=None, callbacks=(), checkpoint=True, scheduler_fn=None, **cfg):
     torch.manual_seed(0)
     cfg.setdefault("epochs", 1)
     cfg.setdefault("batch_size", 4)
@@ -231,6 +232,7 @@ def _tiny_trainer(run_dir, loss_fn=None, callbacks=(), checkpoint=True, **cfg):
         config=xlatrain.TrainConfig(run_dir=str(run_dir), **cfg),
         checkpoint=xlatrain.CheckpointConfig(every_steps=1) if checkpoint else xlatrain.CheckpointConfig(enabled=False),
         callbacks=list(callbacks),
+        scheduler_fn=scheduler_fn,
         backend="cpu",
     )
 
@@ -399,6 +401,49 @@ def test_status_json_names_the_newest_checkpoint_a_hard_kill_would_leave(tmp_pat
         assert record["state"] == "running" and record["checkpoint"] == name
         assert (record["epoch"], record["step"]) == (cursor["epoch"], cursor["step"])
     assert json.loads((tmp_path / "status.json").read_text())["state"] == "finished"
+
+
+class _Armed(torch.utils.data.Dataset):
+    """``_tiny_data``; once armed, reading the next item sends this process a SIGTERM."""
+
+    def __init__(self):
+        self.data, self.armed = _tiny_data(), False
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        if self.armed:
+            self.armed = False
+            os.kill(os.getpid(), signal.SIGTERM)
+        return self.data[i]
+
+
+class _ArmAt:
+    def __init__(self, data, epoch, step):
+        self.data, self.at = data, (epoch, step)
+
+    def on_interval(self, trainer, values):
+        if (values["epoch"], values["step"]) == self.at:
+            self.data.armed = True
+
+
+def test_a_run_stopped_at_its_epochs_last_step_resumes_into_validation_without_false_figures(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="xlatrain")
+    data = _Armed()
+    schedule = functools.partial(torch.optim.lr_scheduler.StepLR, step_size=1, gamma=0.5)
+    with pytest.raises(SystemExit):  # the last batch's read brings the signal: the stop comes after step 10 of 10
+        _tiny_trainer(tmp_path, log_every=1, epochs=2, callbacks=[_ArmAt(data, 1, 9)], scheduler_fn=schedule).fit(data)
+    assert "stopped after epoch 1 step 10" in caplog.text
+    caplog.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning that the schedule stepped before the optimizer
+        history = _tiny_trainer(tmp_path, log_every=1, epochs=2, scheduler_fn=schedule).fit(_tiny_data())
+    assert "continuing at epoch 1, step 10" in caplog.text
+    assert "samples_per_s" not in history[0] and history[1]["samples_per_s"] > 0  # no 0 samples/s for no steps
+    assert [r["lr"] for r in history] == [0.1, 0.05]
+    line = next(ln for ln in caplog.text.splitlines() if "epoch 1/2" in ln)
+    assert "samples/s" not in line and "MFU" not in line
 
 
 def test_a_run_resumed_mid_epoch_records_the_rate_its_epoch_began_with(tmp_path):

@@ -9,6 +9,7 @@ import os
 import signal
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from xlatrain.checkpoint import (
     SHARDS_INDEX,
     distinct_weights,
     find_resumable,
+    latest_name,
     prune_checkpoints,
     read_checkpoint,
     write_checkpoint,
@@ -231,6 +233,42 @@ def _write(trainer: Trainer, cursor: Cursor, sums: dict[str, torch.Tensor]) -> P
     # Where a kill -9 from here on leaves the run: what status.json says until the next one.
     trainer._dir.write_status("running", epoch=cursor.epoch, step=cursor.step, checkpoint=path.name)
     return path
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The loss or gradient norm became NaN/Inf under ``nan_policy="stop"``."""
+
+
+def nonfinite_error(precision: str, epoch: int, first: int, last: int, count: int, run_dir: Path) -> NonFiniteLossError:
+    """What stops a run whose loss went NaN/Inf in ``count`` steps between ``first`` and ``last``."""
+    latest = latest_name(run_dir / "checkpoints")
+    if precision == "fp16":
+        # Under fp16 the gradient scaler guards the backward pass; a non-finite loss is the
+        # forward pass itself overflowing float16.
+        return NonFiniteLossError(
+            f"the loss was NaN/Inf in {count} step(s) between steps {first} and {last} of epoch {epoch} under "
+            "precision='fp16': the forward pass overflowed float16 (its largest value is 65504; the gradient "
+            "scaler guards only the backward). Use precision='bf16', which has float32's range, where the "
+            "device has it (A100, L4, H100 and later; TPUs; CPUs), or precision='32'. Nothing after the last "
+            f"good checkpoint was saved (latest: {latest or 'none'})."
+        )
+    return NonFiniteLossError(
+        f"the loss or gradient norm was NaN/Inf in {count} step(s) between steps {first} and "
+        f"{last} of epoch {epoch}; nothing after the last good checkpoint was saved "
+        f"(latest: {latest or 'none'}). Lower the learning rate, set clip_grad_norm, check the "
+        "inputs, or set nan_policy='skip_step'."
+    )
+
+
+def step_schedule(scheduler: Any, cursor: Cursor) -> None:
+    """``scheduler.step()`` at an epoch's end. A fit resumed at the epoch's last step ran no
+    optimizer step of its own, and torch warns that the schedule stepped first and will skip its
+    first value: untrue here, where the optimizer stepped before the checkpoint, in the process
+    that wrote it."""
+    with warnings.catch_warnings():
+        if cursor.global_step > 0:
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before `optimizer")
+        scheduler.step()
 
 
 def preempt(trainer: Trainer, cursor: Cursor, sums: dict[str, torch.Tensor], stop: StopSignals) -> None:

@@ -28,7 +28,7 @@ import torch
 from xlatrain.backend import Backend, from_config, select_backend
 from xlatrain.backend.model_state import fused_optimizer, has_meta_tensors
 from xlatrain.backend.precision import Precision
-from xlatrain.checkpoint import latest_name, write_weights
+from xlatrain.checkpoint import write_weights
 from xlatrain.config import BackendConfig, CheckpointConfig, TrainConfig, monitor_mode_for
 from xlatrain.data.source import BatchSource
 from xlatrain.data.workers import fork_hang_note
@@ -57,7 +57,7 @@ from xlatrain.train.model_io import ForwardSignature, ModelIO, no_grad_message
 from xlatrain.train.observers import (DiagnosticsObserver, Observers, ProgressObserver, TensorBoardObserver,
                                       TraceObserver, untraced_note)
 from xlatrain.train.preflight import DoesNotFitError
-from xlatrain.train.resumable import StopSignals
+from xlatrain.train.resumable import NonFiniteLossError, StopSignals, nonfinite_error
 from xlatrain.train.run_dir import RunDirectory, writing
 from xlatrain.train.state import Cursor
 
@@ -90,10 +90,6 @@ class ModelParameters:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.model, name)
-
-
-class NonFiniteLossError(FloatingPointError):
-    """The loss or gradient norm became NaN/Inf under ``nan_policy="stop"``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -596,6 +592,8 @@ class Trainer:
         self._check_nonfinite(float(bad), cursor.epoch, 1, ran)
         good_steps = max(ran - float(bad) if cfg.nan_policy == "skip_step" else ran, 1)
         row = {"train_" + name.removeprefix("term."): float(total) / good_steps for name, total in zip(names, totals)}
+        if ran <= first_step:  # resumed at the epoch's end: none of its steps ran in this fit, no rate to give
+            return row
         rate, warmup_s = clock.rate(ran, self.global_batch_size, first_step)
         figures = self.throughput.figures(rate) if self.throughput is not None else {}
         return {**row, "samples_per_s": float(f"{rate:.4g}"), **{k: float(f"{v:.4g}") for k, v in figures.items()},
@@ -629,7 +627,7 @@ class Trainer:
         self._observers.call("on_epoch_row", self, row)
         row.update(self.runtime.runtime_stats())
         if self.scheduler is not None and cfg.scheduler_interval == "epoch":
-            self.scheduler.step()
+            resumable.step_schedule(self.scheduler, cursor)
         improved = self._track_best(row, cursor)
         self.history.append(row)
         cursor.epoch_done = True
@@ -846,24 +844,7 @@ class Trainer:
             self._fail_nonfinite()
 
     def _fail_nonfinite(self) -> None:
-        epoch, first, last, count = self._nonfinite or (0, 0, 0, 0)
-        latest = latest_name(self.run_dir / "checkpoints")
-        if self.config.precision == "fp16":
-            # Under fp16 the gradient scaler guards the backward pass; a non-finite loss is the
-            # forward pass itself overflowing float16.
-            raise NonFiniteLossError(
-                f"the loss was NaN/Inf in {count} step(s) between steps {first} and {last} of epoch {epoch} under "
-                "precision='fp16': the forward pass overflowed float16 (its largest value is 65504; the gradient "
-                "scaler guards only the backward). Use precision='bf16', which has float32's range, where the "
-                "device has it (A100, L4, H100 and later; TPUs; CPUs), or precision='32'. Nothing after the last "
-                f"good checkpoint was saved (latest: {latest or 'none'})."
-            )
-        raise NonFiniteLossError(
-            f"the loss or gradient norm was NaN/Inf in {count} step(s) between steps {first} and "
-            f"{last} of epoch {epoch}; nothing after the last good checkpoint was saved "
-            f"(latest: {latest or 'none'}). Lower the learning rate, set clip_grad_norm, check the "
-            "inputs, or set nan_policy='skip_step'."
-        )
+        raise nonfinite_error(self.config.precision, *(self._nonfinite or (0, 0, 0, 0)), self.run_dir)
 
     def _patience_spent(self, cursor: Cursor) -> bool:
         """Early stopping: the monitored value has not improved for ``early_stop_patience`` epochs."""
