@@ -91,7 +91,7 @@ def test_one_signal_stops_after_the_step_and_a_second_exits_at_once(tmp_path):
     gate = tmp_path / "gate-one"
     proc = _held_in_a_step(tmp_path / "one", gate, every=100)
     proc.send_signal(signal.SIGINT)
-    _wait_for_line(proc, "SIGINT: finishing this step, then saving a checkpoint")
+    _wait_for_line(proc, "SIGINT: finishing this step (or validation batch), then saving a checkpoint")
     gate.unlink()
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGINT, out
@@ -444,6 +444,23 @@ def test_a_run_stopped_at_its_epochs_last_step_resumes_into_validation_without_f
     assert [r["lr"] for r in history] == [0.1, 0.05]
     line = next(ln for ln in caplog.text.splitlines() if "epoch 1/2" in ln)
     assert "samples/s" not in line and "MFU" not in line
+
+
+def test_a_stop_during_validation_ends_it_there_and_the_resumed_run_validates_the_epoch(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="xlatrain")
+    whole = _tiny_trainer(tmp_path / "whole", epochs=2).fit(_tiny_data(), _tiny_data())
+    caplog.clear()
+    val = _Armed()
+    seen = _StatusAtCheckpoints()
+    with pytest.raises(SystemExit):  # the signal comes with the first validation batch's read
+        _tiny_trainer(tmp_path / "cut", log_every=1, epochs=2, callbacks=[_ArmAt(val, 1, 10), seen],
+                      eval_batch_size=4).fit(_tiny_data(), val)
+    assert "stopped after epoch 1 step 10" in caplog.text and "epoch 1/2" not in caplog.text  # not validated
+    assert seen.seen[-1][2]["step"] == 10 and not seen.seen[-1][2]["epoch_done"]
+    caplog.clear()
+    resumed = _tiny_trainer(tmp_path / "cut", epochs=2).fit(_tiny_data(), _tiny_data())
+    assert "continuing at epoch 1, step 10" in caplog.text
+    assert _without_timing(resumed) == _without_timing(whole)
 
 
 def test_a_run_resumed_mid_epoch_records_the_rate_its_epoch_began_with(tmp_path):

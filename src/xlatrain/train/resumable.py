@@ -382,7 +382,7 @@ class StopSignals:
         self.signum, self._at = signum, time.monotonic()
         name = signal.Signals(signum).name
         then = "saving a checkpoint" if self._saves else "stopping (checkpoints are off: the run cannot resume)"
-        self._say(f"{name}: finishing this step, then {then}; a second {name} stops at once")
+        self._say(f"{name}: finishing this step (or validation batch), then {then}; a second {name} stops at once")
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():

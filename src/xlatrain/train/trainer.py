@@ -215,6 +215,7 @@ class Trainer:
         self._sampler = sampler
         self._callbacks = Callbacks(callbacks)
         self._stop_reason: str | None = None
+        self._stop_eval: Callable[[int], bool] | None = None  # fit's validation: a stop signal at batch i
         self.config = cfg = config or TrainConfig()
         self.checkpoint = checkpoint or CheckpointConfig()
         self.io = ModelIO(loss_fn, inputs=inputs, targets=targets, output_field=output_field,
@@ -438,7 +439,7 @@ class Trainer:
                         fetch_started = time.perf_counter()
                 row = {"epoch": epoch, "lr": lr, **self._epoch_means(feed, cursor, sums, start_step, ep, extra)}
                 if val_data is not None:
-                    row.update(self._validate(val_data))
+                    row.update(self._validate(val_data, stop, cursor, sums))
                 row["epoch_time_s"] = round(time.perf_counter() - ep.clock.started, 3)
                 sums, start_step = self._new_sums(), 0
                 self._finish_epoch(row, cursor, sums)
@@ -599,13 +600,23 @@ class Trainer:
         return {**row, "samples_per_s": float(f"{rate:.4g}"), **{k: float(f"{v:.4g}") for k, v in figures.items()},
                 **({"warmup_s": round(warmup_s, 3)} if warmup_s is not None else {})}
 
-    def _validate(self, val_data: Any) -> dict[str, float]:
-        """The epoch's validation columns (``val_...``), and the EMA weights' (``val_ema_...``)."""
-        columns = {f"val_{k}": v for k, v in self.evaluate(val_data).items() if k != "num_samples"}
-        if self.ema is not None:
-            with self.ema.swapped_in(), self._ema_statistics():
-                metrics = self.evaluate(val_data)
-            columns.update({f"val_ema_{k}": v for k, v in metrics.items() if k != "num_samples"})
+    def _validate(self, val_data: Any, stop: StopSignals, cursor: Cursor, sums: dict[str, torch.Tensor]) -> dict[str, float]:
+        """The epoch's validation columns (``val_...``), and the EMA weights' (``val_ema_...``). A stop
+        signal ends it within a few batches (a long one would outlast a scheduler's grace period): the
+        checkpoint holds the epoch's last step, and the resumed run validates the epoch."""
+        st = self.strategy  # processes agree every 8 batches: their batch counts are equal
+        self._stop_eval = (lambda index: stop.requested) if st.num_processes == 1 else \
+            (lambda index: index % 8 == 7 and st.any_process(stop.requested))
+        try:
+            columns = {f"val_{k}": v for k, v in self.evaluate(val_data).items() if k != "num_samples"}
+            if self.ema is not None:
+                with self.ema.swapped_in(), self._ema_statistics():
+                    metrics = self.evaluate(val_data)
+                columns.update({f"val_ema_{k}": v for k, v in metrics.items() if k != "num_samples"})
+        except _StopInValidation:
+            resumable.preempt(self, cursor, sums, stop)
+        finally:
+            self._stop_eval = None
         return columns
 
     def _ema_statistics(self) -> contextlib.AbstractContextManager[Any]:
@@ -686,6 +697,8 @@ class Trainer:
         self.model.eval()
         with torch.no_grad():
             for index, (batch, valid_B) in enumerate(batches):
+                if self._stop_eval is not None and self._stop_eval(index):
+                    raise _StopInValidation
                 batch, valid_B, real = acc.trim(index, batch, valid_B)  # the model's own loss: padding rows cut
                 batch = self._on_device(batch, training=False)
                 with self.precision.autocast():
@@ -873,6 +886,10 @@ class Trainer:
     def _say(self, message: str) -> None:
         if self.strategy.is_main:
             log.info(message)
+
+
+class _StopInValidation(Exception):
+    """A stop signal arrived while a fit validated (``Trainer._validate`` checkpoints and stops)."""
 
 
 def _is_pair(batch: Any) -> bool:
