@@ -823,3 +823,26 @@ def test_a_padding_collate_without_a_few_lengths_is_flagged_and_one_with_them_is
     # Without XLA in the script, the same lengths cost nothing where it runs: a note, not a warning.
     plain = source.replace("    import torch_xla.core.xla_model as xm\n", "")
     assert {sev for _, code, sev in graded(plain) if code == "ragged-lengths"} == {"info"}
+
+
+def test_a_training_loader_without_a_sampler_is_named_only_where_several_processes_run():
+    body = """
+        import torch, torch.distributed as dist
+        from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+        def main():
+            dist.init_process_group("gloo")
+            data = TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
+            loader = DataLoader(data, batch_size=8, drop_last=True{sampler})
+            model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for x, y in loader:
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+    """
+    assert graded(body.format(sampler="")) >= {(8, "unsharded-loader", "info")}
+    assert (8, "unsharded-loader") not in found(body.format(sampler=", sampler=DistributedSampler(data)"))
+    one_process = body.replace('dist.init_process_group("gloo")', "pass").replace(
+        "torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))", "torch.nn.Linear(4, 2)")
+    assert (8, "unsharded-loader") not in found(one_process.format(sampler=""))

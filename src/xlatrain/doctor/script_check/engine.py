@@ -972,6 +972,7 @@ class Engine:
         self.check_classes()
         self.check_lr_scaling()
         self.check_samplers(calls)
+        self.check_unsharded_loaders(calls)
         self.check_padding_collates(calls)
         self.check_reads_on_one_process()
         order = {s: i for i, s in enumerate(SEVERITIES)}

@@ -8,6 +8,7 @@ from typing import Any
 from xlatrain.doctor.script_check.common import (
     PL,
     XM,
+    XMP,
     _DATALOADERS,
     _EVAL_HINT,
     _FUNCS,
@@ -20,6 +21,11 @@ from xlatrain.doctor.script_check.common import (
     _kw,
     _walk,
 )
+
+
+# Calls that start or join several training processes (each then runs the script's loaders).
+_MANY_PROCESSES = (f"{XMP}.spawn", "torch_xla.launch", "torch.multiprocessing.spawn", "torch.multiprocessing.start_processes",
+                   "torch.distributed.init_process_group", "torch.nn.parallel.DistributedDataParallel")
 
 
 class LoaderRules:
@@ -247,6 +253,32 @@ class LoaderRules:
             self.add(call, "ragged-lengths", "warning" if xla else "info",
                      f"{message}: on XLA and TorchTPU every new length compiles a new graph (on CUDA and the CPU it "
                      "costs nothing)", fix)
+
+    def check_unsharded_loaders(self, calls: list[ast.Call]) -> None:
+        """A training DataLoader with no sampler in a script that runs several processes: each
+        process reads the whole dataset (the tutorials' most common slip). An info: a dataset may
+        split itself by rank, which the check cannot see."""
+        starts = next((c for c in calls if self.call_name(c) in _MANY_PROCESSES
+                       and _const(_kw(c, "nprocs")) != 1), None)  # spawn(fn, nprocs=1) runs one
+        if starts is None:
+            return
+        train, _ = self.fed_loaders()
+        for call in calls:
+            opaque = any(k.arg is None for k in call.keywords) or any(isinstance(a, ast.Starred) for a in call.args)
+            if call not in train or self.call_name(call) not in _DATALOADERS or opaque \
+                    or _arg(call, 3, "sampler") is not None or _arg(call, 4, "batch_sampler") is not None:
+                continue
+            self.add(
+                call,
+                "unsharded-loader",
+                "info",
+                f"this DataLoader feeds training with no sampler, in a script that runs several processes "
+                f"({ast.unparse(starts.func)}, line {starts.lineno}): unless its dataset splits "
+                "itself by rank, every process reads the whole dataset, so an epoch does the work once per "
+                "process and a global batch holds each sample that many times",
+                "sampler=DistributedSampler(dataset, num_replicas=world_size, rank=rank) (and "
+                "sampler.set_epoch(epoch) each epoch); xlatrain's Trainer gives each process its share itself",
+            )
 
     def check_samplers(self, calls: list[ast.Call]) -> None:
         samplers = [c for c in calls if self.call_name(c).endswith("DistributedSampler")]
