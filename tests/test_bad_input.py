@@ -722,6 +722,13 @@ def test_an_optimizer_setting_no_checkpoint_can_hold_is_refused_before_the_first
     assert steps.seen == 0 and not (tmp_path / "run" / "checkpoints").exists()
     # Without checkpoints nothing needs the settings saved: the same optimizer trains.
     trainer(tmp_path / "off", opt=_tagged_groups, checkpoint=xlatrain.CheckpointConfig(enabled=False)).fit(data())
+    # resume='overwrite' (--overwrite) is refused before it clears the earlier run.
+    trainer(tmp_path / "kept").fit(data())
+    before = fingerprint(tmp_path / "kept")
+    with pytest.raises(ValueError, match="cannot hold"):
+        trainer(tmp_path / "kept", opt=_tagged_groups).fit(data(), resume="overwrite")
+    assert {k: v for k, v in fingerprint(tmp_path / "kept").items() if k != ".xlatrain.lock"} == \
+        {k: v for k, v in before.items() if k != ".xlatrain.lock"}
 
 
 def test_a_disk_that_fills_mid_run_stops_with_the_space_named_and_the_last_checkpoint_kept(tmp_path):

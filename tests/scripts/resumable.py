@@ -3,7 +3,8 @@
 Usage: python resumable.py RUN_DIR EPOCHS EVERY_STEPS STEP_SLEEP_S [accelerator] [devices] [strategy]
 Prints HISTORY json at the end and saves the final weights to RUN_DIR/final.safetensors.
 While the file named by $XLATRAIN_TEST_GATE exists, reading a training item waits: a test holds
-the run inside a step for as long as it needs.
+the run inside a step for as long as it needs. $XLATRAIN_TEST_VAL_SLEEP: seconds per validation
+item (a validation long enough to be stopped in), each read printed as VALIDATION ITEM.
 """
 
 import functools
@@ -22,16 +23,18 @@ import xlatrain
 class Slow(Dataset):
     """Random features with a learnable label; sleeps per item so a run lasts long enough to kill."""
 
-    def __init__(self, n: int, seed: int, sleep_s: float) -> None:
+    def __init__(self, n: int, seed: int, sleep_s: float, announce: bool = False) -> None:
         g = torch.Generator().manual_seed(seed)
         self.x = torch.randn(n, 16, generator=g)
         self.y = (self.x[:, :4].sum(dim=1) > 0).long()
-        self.sleep_s = sleep_s
+        self.sleep_s, self.announce = sleep_s, announce
 
     def __len__(self) -> int:
         return len(self.y)
 
     def __getitem__(self, i: int):
+        if self.announce:
+            print("VALIDATION ITEM", flush=True)
         if self.sleep_s:
             time.sleep(self.sleep_s)
         gate = os.environ.get("XLATRAIN_TEST_GATE")
@@ -57,7 +60,8 @@ def main() -> None:
         checkpoint=xlatrain.CheckpointConfig(every_steps=every, keep_last=2),
         backend=xlatrain.BackendConfig(accelerator=accelerator, devices=devices, strategy=strategy),
     )
-    history = trainer.fit(Slow(96, 1, sleep_s), Slow(20, 2, 0.0))
+    val_sleep = float(os.environ.get("XLATRAIN_TEST_VAL_SLEEP", "0"))
+    history = trainer.fit(Slow(96, 1, sleep_s), Slow(20, 2, val_sleep, announce=val_sleep > 0))
     trainer.save_weights(f"{run_dir}/final.safetensors")  # every process: a sharded model is gathered
     if trainer.backend.is_main:
         print("HISTORY " + json.dumps(history), flush=True)

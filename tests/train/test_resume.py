@@ -332,16 +332,22 @@ def test_a_stop_says_how_to_resume_the_run_it_stopped(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="xlatrain")
     with pytest.raises(SystemExit):
         _tiny_trainer(tmp_path / "a", log_every=1, callbacks=[_StopAt(1, 3)]).fit(_tiny_data())
-    assert "Run the same command again to resume (resume='auto')" in caplog.text
+    assert "Run the same command again to resume (resume='auto')." in caplog.text
     # After resume='overwrite' (--overwrite), the same command again would clear what was just saved.
     caplog.clear()
     with pytest.raises(SystemExit):
         _tiny_trainer(tmp_path / "a", log_every=1, callbacks=[_StopAt(1, 3)]).fit(_tiny_data(), resume="overwrite")
     assert "same command again to resume" not in caplog.text
-    assert f"To resume, run with resume='auto' in {tmp_path / 'a'} (on the command line: without --fresh, " \
-           f"--overwrite or --resume, and with --set trainer.run_dir={tmp_path / 'a'})" in caplog.text
+    assert f"To resume, run with resume='auto' and the run directory {tmp_path / 'a'} (on the command line: " \
+           "without --fresh, --overwrite or --resume, naming that directory)" in caplog.text
     assert _tiny_trainer(tmp_path / "a").fit(_tiny_data())  # and that resumes: it trains what was left
     assert "continuing at epoch 1, step 3" in caplog.text
+    # resume=RUN_DIR takes its newest checkpoint, so the same call again does continue.
+    caplog.clear()
+    with pytest.raises(SystemExit):
+        _tiny_trainer(tmp_path / "a", log_every=1, epochs=2, callbacks=[_StopAt(2, 3)]).fit(
+            _tiny_data(), resume=str(tmp_path / "a"))
+    assert "Run the same command again to resume." in caplog.text
     # Without checkpoints no stop promises one.
     caplog.clear()
     with pytest.raises(SystemExit):
@@ -355,11 +361,22 @@ def _one_cycle(optimizer, run):
     return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=run.total_steps)
 
 
+def _warmup_then_cosine(epochs):
+    def build(opt):
+        return torch.optim.lr_scheduler.SequentialLR(opt, [
+            torch.optim.lr_scheduler.LinearLR(opt, 0.5, total_iters=1),
+            torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=epochs - 1)], milestones=[1])
+    return build
+
+
 @pytest.mark.parametrize("schedule, refused", [
     (lambda epochs: functools.partial(torch.optim.lr_scheduler.CosineAnnealingLR, T_max=epochs),
      "CosineAnnealingLR's T_max 2 -> 4"),
     (lambda epochs: _one_cycle, "OneCycleLR's total_steps 20 -> 40"),
+    (_warmup_then_cosine, "SequentialLR's _schedulers.1.T_max 1 -> 3"),  # the cosine inside
     (lambda epochs: functools.partial(torch.optim.lr_scheduler.StepLR, step_size=1), None),
+    # Warm restarts every 5 epochs whatever the run's length: its position (T_cur) is no length.
+    (lambda epochs: functools.partial(torch.optim.lr_scheduler.CosineAnnealingWarmRestarts, T_0=5), None),
 ])
 def test_more_epochs_under_a_schedule_sized_for_the_old_length_are_refused_before_anything_loads(
         schedule, refused, tmp_path):
@@ -379,7 +396,7 @@ def test_more_epochs_under_a_schedule_sized_for_the_old_length_are_refused_befor
         trainer(4).fit(_tiny_data())
     message = str(err.value)
     assert f"with trainer.epochs 2 -> 4: the learning-rate schedule holds the run's length ({refused})" in message
-    assert "Keep epochs=2" in message and f"--fresh --set model.pretrained={tmp_path}/best.safetensors" in message
+    assert "Keep epochs=2" in message and f"({tmp_path}/best.safetensors): --fresh --set model.pretrained=" in message
     after = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and p.name != ".xlatrain.lock"}
     assert after == before  # nothing trained, nothing written
 
@@ -397,9 +414,11 @@ def test_status_json_names_the_newest_checkpoint_a_hard_kill_would_leave(tmp_pat
     status = _StatusAtCheckpoints()
     _tiny_trainer(tmp_path, callbacks=[status], epochs=2).fit(_tiny_data())
     assert len(status.seen) == 20  # every step's checkpoint, 10 steps an epoch
-    for record, name, cursor in status.seen:
+    for record, name, cursor in status.seen:  # where a rerun continues: after a finished epoch, the next one
         assert record["state"] == "running" and record["checkpoint"] == name
-        assert (record["epoch"], record["step"]) == (cursor["epoch"], cursor["step"])
+        continues = (cursor["epoch"] + 1, 0) if cursor["epoch_done"] else (cursor["epoch"], cursor["step"])
+        assert (record["epoch"], record["step"]) == continues
+    assert [(r["epoch"], r["step"]) for r, _, _ in status.seen[8:11]] == [(1, 9), (2, 0), (2, 1)]
     assert json.loads((tmp_path / "status.json").read_text())["state"] == "finished"
 
 
@@ -532,10 +551,11 @@ except CheckpointError as exc:
     read_checkpoint(root / "step-00000010")  # still verifies
 
 
-def _interrupt_and_resume(tmp_path, launcher, extra, env, after_line, under_torchrun=False):
-    """SIGTERM a run at ``after_line``, check it stopped cleanly, run it again to the end."""
-    proc = _start(tmp_path, every=1, sleep_s=0.02, extra=extra, launcher=launcher, env=env)
-    _wait_for_line(proc, after_line, timeout=180)
+def _interrupt_and_resume(tmp_path, launcher, extra, env, after_line, under_torchrun=False, start_env=None):
+    """SIGTERM a run at ``after_line`` (lines, in order), check it stopped cleanly, run it again to the end."""
+    proc = _start(tmp_path, every=1, sleep_s=0.02, extra=extra, launcher=launcher, env={**(env or {}), **(start_env or {})})
+    for line in [after_line] if isinstance(after_line, str) else after_line:
+        _wait_for_line(proc, line, timeout=180)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
     if under_torchrun:
@@ -583,3 +603,12 @@ def test_sigterm_under_torchrun_stops_every_rank_at_one_step_and_resumes_exactly
     stop, resumed = _interrupt_and_resume(tmp_path / "cut", launcher, extra, None, "epoch 1 step 4/", under_torchrun=True)
     assert _without_timing(resumed) == _without_timing(whole)
     assert (tmp_path / "cut" / "final.safetensors").read_bytes() == (whole_dir / "final.safetensors").read_bytes()
+    # Stopped during validation (an item read after the epoch's steps; 0.2 s an item, 1.6 s a batch),
+    # both ranks agree at a batch, and the epoch's last step is the checkpoint; the resumed run
+    # validates the epoch.
+    stop, resumed = _interrupt_and_resume(tmp_path / "in-val", launcher, extra, None,
+                                          ["epoch 1 step 5/6", "VALIDATION ITEM"], under_torchrun=True,
+                                          start_env={"XLATRAIN_TEST_VAL_SLEEP": "0.2"})
+    assert "stopped after epoch 1 step 6;" in stop
+    assert _without_timing(resumed) == _without_timing(whole)
+    assert (tmp_path / "in-val" / "final.safetensors").read_bytes() == (whole_dir / "final.safetensors").read_bytes()

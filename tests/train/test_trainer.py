@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from xlatrain import TrainConfig, Trainer, load_weights
+from xlatrain import CheckpointConfig, TrainConfig, Trainer, load_weights
 from xlatrain.train.metrics import roc_auc
 
 
@@ -190,7 +190,8 @@ def test_a_monitor_only_metrics_fn_can_name_is_said_before_training_and_checked_
         caplog.clear()
         trainer = Trainer(_mlp(), nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1), metrics_fn=metrics_fn,
                           config=TrainConfig(epochs=2, batch_size=8, run_dir=str(tmp_path / (run or monitor)),
-                                             monitor=monitor, monitor_mode="max"), backend="cpu")
+                                             monitor=monitor, monitor_mode="max", early_stop_patience=1),
+                          backend="cpu")
         return trainer.fit(_classification(32), _classification(10))
 
     # metrics_fn runs on two validation rows before training: its names are known then.
@@ -204,13 +205,22 @@ def test_a_monitor_only_metrics_fn_can_name_is_said_before_training_and_checked_
     assert "metrics_fn returned f1 on two validation rows" in note.getMessage()
     assert "val_accuracy" in note.getMessage() and "stops the run there" in note.getMessage()
     assert not [w for w in recwarn if "too few rows" in str(w.message)]
-    # The epoch it stopped after is kept: the corrected monitor resumes there (no best was judged yet).
+    # The epoch it stopped after is kept: the corrected monitor resumes there (no best was judged yet),
+    # and patience counts from the first epoch it judged.
     history = fit("val_f1", run="val_f2")
     assert [r["epoch"] for r in history] == [1, 2] and "continuing at epoch 2" in caplog.text
     assert "resuming with changed settings: trainer.monitor 'val_f2' -> 'val_f1'" in caplog.text
     # Once a best was judged by a monitor, it stays.
     with pytest.raises(ValueError, match=r"trainer\.monitor 'val_f1' -> 'val_accuracy'"):
         fit("val_accuracy", run="val_f2")
+    # Without a checkpoint at the epoch's end, no resume is promised.
+    trainer = Trainer(_mlp(), nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1), metrics_fn=metrics_fn,
+                      config=TrainConfig(epochs=2, batch_size=8, run_dir=str(tmp_path / "nockpt"), monitor="val_f2",
+                                         monitor_mode="max"),
+                      checkpoint=CheckpointConfig(at_epoch_end=False), backend="cpu")
+    with pytest.raises(ValueError, match=r"epoch 1 is in the history, but no checkpoint holds its end") as err:
+        trainer.fit(_classification(32), _classification(10))
+    assert "resume" not in str(err.value)
 
     def raising(outputs, targets):
         if len(targets) < 3:

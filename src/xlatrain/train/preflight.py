@@ -424,10 +424,12 @@ def missing_monitor(trainer: Trainer, row: dict[str, Any], cursor: Any) -> Value
         return ValueError(
             f"{said}. It was one in epoch {cursor.best_epoch} (the best so far): a metrics_fn that returns it "
             "every epoch lets the run go on")
-    saved = "written and checkpointed" if trainer.checkpoint.enabled else "written (checkpoints are off: a rerun starts over)"
+    if not (trainer.checkpoint.enabled and trainer.checkpoint.at_epoch_end):
+        return ValueError(f"{said}. Set monitor (trainer.monitor) to one of them; epoch {row['epoch']} is in the "
+                          "history, but no checkpoint holds its end, so a rerun repeats what followed the last one")
     return ValueError(
-        f"{said}. Epoch {row['epoch']} is {saved}: set monitor (trainer.monitor) to one of them and resume "
-        "(resume='auto'); no best was recorded under the old monitor, so the new one takes over from here")
+        f"{said}. Epoch {row['epoch']} is written and checkpointed: set monitor (trainer.monitor) to one of them and "
+        "resume (resume='auto'); no best was recorded under the old monitor, so the new one takes over from here")
 
 
 def _did_you_mean(name: str, columns: Any) -> str:

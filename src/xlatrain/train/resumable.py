@@ -35,6 +35,7 @@ from xlatrain.storage import lock as run_lock
 from xlatrain.storage.remote_run import stale_after_s
 from xlatrain.train.state import (
     Cursor,
+    as_numbers,
     check_saveable,
     pack_meta,
     pack_whole,
@@ -59,6 +60,7 @@ def resume(trainer: Trainer, resume: bool | str) -> tuple[Cursor, dict[str, torc
     cursor, sums = Cursor(), trainer._new_sums()
     if trainer.checkpoint.enabled:
         check_saveable(trainer.optimizer, trainer.scheduler)
+    run_dir.clear_earlier_run()  # resume='overwrite': once nothing before the first step refused the run
     if resume in (False, "overwrite"):
         return cursor, sums
     if resume == "auto":
@@ -142,30 +144,54 @@ def check_resumable(trainer: Trainer, path: Path, tensors: dict[str, torch.Tenso
         trainer._say(f"resuming with changed settings: {'; '.join(continued)}")
 
 
-# What a torch scheduler's state holds of where it stands, not of what it was built to do.
-_SCHEDULE_PROGRESS = {"last_epoch", "_step_count", "_get_lr_called_within_step", "_last_lr", "_is_initial", "base_lrs"}
+# Settings of torch's schedulers that hold a length in steps or epochs (a cosine's T_max,
+# OneCycleLR's total_steps, LinearLR's total_iters, MultiStepLR's and SequentialLR's milestones,
+# the first cycle of warm restarts): where one differs from a schedule built now, it was derived
+# from the run's length. Progress (last_epoch, T_cur) and a plateau's counters are not compared.
+_LENGTH_KEYS = {"T_max", "total_steps", "total_iters", "milestones", "_milestones", "T_0", "step_size"}
+
+
+def _lengths_that_differ(fresh: Any, saved: Any, where: str = "") -> list[str]:
+    """``key saved -> fresh`` for each length setting that differs, nested schedulers included
+    (SequentialLR's and ChainedScheduler's ``_schedulers``)."""
+    if isinstance(fresh, list) and isinstance(saved, list) and len(fresh) == len(saved):
+        return [line for i, (f, s) in enumerate(zip(fresh, saved))
+                for line in _lengths_that_differ(f, s, f"{where}{i}.")]
+    if not (isinstance(fresh, dict) and isinstance(saved, dict)):
+        return []
+    out: list[str] = []
+    for key, value in fresh.items():
+        if key not in saved:
+            continue
+        if key in _LENGTH_KEYS:
+            if value != saved[key]:
+                out.append(f"{where}{key} {saved[key]!r} -> {value!r}")
+        else:
+            out += _lengths_that_differ(value, saved[key], f"{where}{key}.")
+    return out
 
 
 def _refuse_a_schedule_of_another_length(trainer: Trainer, path: Path, meta: dict[str, Any], was: int, now: int) -> None:
-    """More (or fewer) epochs, and a schedule whose saved settings hold the run's length (a
-    cosine's ``T_max``, OneCycleLR's ``total_steps``: they differ from a schedule built now):
-    restored, it keeps the old length (the cosine reaches its floor at the old last epoch and stays
-    there; OneCycleLR raises at its first step past its end). A schedule of its own pace (StepLR)
-    goes on; one whose length lives in a function (LambdaLR) follows the new length from the step
-    reached, as its function is the one built now."""
-    fresh, saved = trainer.scheduler.state_dict(), meta.get("scheduler") or {}
-    differ = [f"{k} {saved[k]!r} -> {v!r}" for k, v in fresh.items()
-              if k in saved and k not in _SCHEDULE_PROGRESS and isinstance(v, (int, float)) and v != saved[k]]
+    """More (or fewer) epochs, and a schedule whose saved settings hold the run's length (they
+    differ from a schedule built now): restored, it keeps the old length (a cosine reaches its
+    floor at the old last epoch and stays there; OneCycleLR raises at its first step past its end).
+    A schedule of its own pace (StepLR with a fixed step) goes on; one whose length lives in a
+    function (LambdaLR) follows the new length from the step reached, as its function is the one
+    built now."""
+    # Through JSON, as the checkpoint holds it (a tuple reads back as a list).
+    fresh = json.loads(json.dumps(as_numbers(trainer.scheduler.state_dict()), default=str))
+    differ = _lengths_that_differ(fresh, meta.get("scheduler") or {})
     if not differ:
         return
-    built = f"{type(trainer.scheduler).__name__}'s " + ", ".join(differ)
+    best = trainer.run_dir / "best.safetensors"
+    weights = f"{best}" if best.is_file() else f"the weights `xlatrain export {trainer.run_dir}` writes"
     raise ValueError(
         f"cannot resume from {path} with trainer.epochs {was} -> {now}: the learning-rate schedule holds the run's "
-        f"length ({built}), and the checkpoint restores it as it was, planned for {was} epochs, not {now} (past its "
-        f"end a cosine stays at its floor; OneCycleLR raises). Keep epochs={was} to finish this run, or train "
-        "on in a new run that starts from its weights: on the command line, --fresh --set "
-        f"model.pretrained={trainer.run_location}/best.safetensors (or a checkpoint exported with xlatrain export); "
-        "in Python, load those weights into the model and fit(..., resume=False)."
+        f"length ({type(trainer.scheduler).__name__}'s {', '.join(differ[:3])}), and the checkpoint restores it as it "
+        f"was, planned for {was} epochs, not {now} (past its end a cosine stays at its floor; OneCycleLR raises). "
+        f"Keep epochs={was} to finish this run, or train on in a new run that starts from its weights "
+        f"({weights}): --fresh --set model.pretrained=... on the command line; in Python, load them into the "
+        "model and fit(..., resume=False)."
     )
 
 
@@ -230,8 +256,9 @@ def _write(trainer: Trainer, cursor: Cursor, sums: dict[str, torch.Tensor]) -> P
             parts = tuple(f"{SHARDS_DIR}/{shard_file(i)}" for i in range(st.num_processes)) if st.sharded_state else ()
             remote.push_checkpoint(path, already_up=parts)  # the parts went up from their writers
             remote.push_files()
-    # Where a kill -9 from here on leaves the run: what status.json says until the next one.
-    trainer._dir.write_status("running", epoch=cursor.epoch, step=cursor.step, checkpoint=path.name)
+    # Where a kill -9 from here on leaves the run (what a rerun continues at), until the next one.
+    epoch, step = cursor.next_position()
+    trainer._dir.write_status("running", epoch=epoch, step=step, checkpoint=path.name)
     return path
 
 
@@ -260,13 +287,13 @@ def nonfinite_error(precision: str, epoch: int, first: int, last: int, count: in
     )
 
 
-def step_schedule(scheduler: Any, cursor: Cursor) -> None:
-    """``scheduler.step()`` at an epoch's end. A fit resumed at the epoch's last step ran no
-    optimizer step of its own, and torch warns that the schedule stepped first and will skip its
-    first value: untrue here, where the optimizer stepped before the checkpoint, in the process
-    that wrote it."""
+def step_schedule(scheduler: Any, *, quiet: bool) -> None:
+    """``scheduler.step()`` at an epoch's end. ``quiet``: this fit ran none of the epoch's steps
+    (it resumed at the last), and torch would warn that the schedule stepped before the optimizer
+    and will skip its first value: untrue here, where the optimizer stepped before the checkpoint,
+    in the process that wrote it."""
     with warnings.catch_warnings():
-        if cursor.global_step > 0:
+        if quiet:
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before `optimizer")
         scheduler.step()
 
@@ -290,14 +317,18 @@ def _how_to_resume(trainer: Trainer, path: Path | None) -> str:
     if not trainer.checkpoint.enabled:
         return " without a checkpoint (checkpoints are off): this run cannot be resumed."
     saved = f"; checkpoint {path}" if path else ""  # the main process names it
-    if trainer._dir.resume == "auto":
+    resume = trainer._dir.resume
+    # resume=RUN_DIR (--resume RUN_DIR) takes the run's newest checkpoint, as 'auto' does.
+    if resume == "auto":
         return f"{saved}. Run the same command again to resume (resume='auto')."
+    named = isinstance(resume, (str, os.PathLike)) and resume != "overwrite"
+    if named and Path(resume).resolve() == trainer.run_dir.resolve():
+        return f"{saved}. Run the same command again to resume."
     # The same command again would clear this run (--overwrite), start another beside it
     # (--fresh), or go back to the checkpoint it named (--resume PATH).
-    where = trainer.run_location
-    return (f"{saved}. To resume, run with resume='auto' in {where} (on the command line: without "
-            f"--fresh, --overwrite or --resume, and with --set trainer.run_dir={where}); the same command again "
-            "would not continue this run.")
+    return (f"{saved}. To resume, run with resume='auto' and the run directory {trainer.run_location} (on the "
+            "command line: without --fresh, --overwrite or --resume, naming that directory); the same command "
+            "again would not continue this run.")
 
 
 def explicit_checkpoint(path: Path, group: Any) -> tuple[Path, dict[str, torch.Tensor] | None, dict[str, Any]]:

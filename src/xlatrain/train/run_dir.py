@@ -136,8 +136,8 @@ class RunDirectory:
     def write_status(self, state: str, **fields: Any) -> None:
         """``RUN_DIR/status.json`` (main process, atomic): ``running`` while a fit trains (still there
         after a kill -9 or a crash that could not write; with the epoch and step the fit started at,
-        then those of its newest checkpoint, where a rerun continues), ``preempted`` once a stop signal's checkpoint
-        is complete (with its name: the same command resumes from it), ``finished``, or ``failed``
+        then, after each checkpoint, where a rerun continues from it), ``preempted`` once a stop
+        signal's checkpoint is complete (with its name: a rerun resumes from it), ``finished``, or ``failed``
         (with the error). A requeue script reads ``state``; the launcher's exit status alone does not
         tell (torchrun exits 1 after forwarding a SIGTERM its workers handled).
 

@@ -37,6 +37,7 @@ class Cursor:
     best_epoch: int | None = None
     best_checkpoint: str | None = None  # the checkpoint saved at the end of best_epoch, kept by pruning
     epoch_lr: float | None = None  # the learning rate as ``epoch`` began: its history row's "lr"
+    unjudged_until: int = 0  # epochs up to this one lacked the monitored column: patience counts after it
     history: list[dict[str, Any]] = field(default_factory=list)
 
     def next_position(self) -> tuple[int, int]:
@@ -76,22 +77,32 @@ def plain_settings(param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     changes without recompiling (the scheduler's ``base_lrs`` are tensors then too);
     :func:`with_tensors` gives a loaded state its tensors back.
     """
-    return [_number(group) for group in param_groups]
+    return [as_numbers(group) for group in param_groups]
 
 
-def _number(value: Any) -> Any:
-    if isinstance(value, torch.Tensor) and value.dim() == 0:
-        return value.tolist()  # a Python float, int or bool, as the tensor's dtype is
+def as_numbers(value: Any) -> Any:
+    """``value`` (a setting, a state dict) with each one-number tensor as the Python number it
+    holds (float, int or bool, as its dtype is), through dicts, lists and tuples."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
     if isinstance(value, dict):
-        return {k: _number(v) for k, v in value.items()}
+        return {k: as_numbers(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_number(v) for v in value)
+        return type(value)(as_numbers(v) for v in value)
     return value
 
 
 def settings_tensors(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     """Each parameter group's settings that hold tensors, kept before a state is loaded over them."""
-    return [{k: v for k, v in group.items() if k != "params" and _number(v) is not v} for group in optimizer.param_groups]
+    return [{k: v for k, v in group.items() if k != "params" and _holds_tensor(v)} for group in optimizer.param_groups]
+
+
+def _holds_tensor(value: Any) -> bool:
+    if isinstance(value, dict):
+        return any(_holds_tensor(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_tensor(v) for v in value)
+    return isinstance(value, torch.Tensor)
 
 
 def restore_settings(optimizer: torch.optim.Optimizer, kept: list[dict[str, Any]]) -> None:
@@ -104,8 +115,7 @@ def with_tensors(current: dict[str, Any], loaded: dict[str, Any]) -> dict[str, A
     """``loaded`` with its numbers written into ``current``'s tensors at the same keys, and those
     tensors in their places: a scheduler that writes the rate into the tensor in place keeps doing
     so, and a compiled step sees the tensor it was compiled for. Saved, they were numbers."""
-    return {k: _filled(current[k], v) if k in current and _number(current[k]) is not current[k] else v
-            for k, v in loaded.items()}
+    return {k: _filled(current[k], v) if k in current and _holds_tensor(current[k]) else v for k, v in loaded.items()}
 
 
 def _filled(kept: Any, loaded: Any) -> Any:
@@ -123,6 +133,9 @@ def _filled(kept: Any, loaded: Any) -> Any:
 def _unsaveable(value: Any, where: str = "") -> tuple[str, str]:
     """Where in ``value`` the first thing JSON cannot hold is (``"[0]['lr']"``), and its type."""
     if isinstance(value, dict):
+        odd = [k for k in value if not (k is None or isinstance(k, (bool, int, float, str)))]
+        if odd:
+            return f"{where}[{odd[0]!r}] (a key)", type(odd[0]).__name__
         items: Any = ((f"[{k!r}]", v) for k, v in value.items())
     elif isinstance(value, (list, tuple)):
         items = ((f"[{i}]", v) for i, v in enumerate(value))
@@ -142,7 +155,7 @@ def check_saveable(optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
     hold: otherwise the run would stop at its first checkpoint, with that much training lost."""
     _jsonable("optimizer param_groups", plain_settings(optimizer.state_dict()["param_groups"]))
     if scheduler is not None:
-        _jsonable("scheduler state", _number(scheduler.state_dict()))
+        _jsonable("scheduler state", as_numbers(scheduler.state_dict()))
 
 
 def pack_meta(
@@ -158,7 +171,7 @@ def pack_meta(
         "format": FORMAT_VERSION,
         "cursor": {k: v for k, v in dataclasses.asdict(cursor).items() if k != "history"},
         "history": cursor.history,
-        "scheduler": _jsonable("scheduler state", _number(scheduler.state_dict())) if scheduler is not None else None,
+        "scheduler": _jsonable("scheduler state", as_numbers(scheduler.state_dict())) if scheduler is not None else None,
         "rng": rng_states,
         # Each process's running sums of the epoch (float32 values, exact as JSON floats).
         "sums": sums_per_process,

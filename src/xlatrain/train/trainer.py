@@ -441,8 +441,8 @@ class Trainer:
                 if val_data is not None:
                     row.update(self._validate(val_data, stop, cursor, sums))
                 row["epoch_time_s"] = round(time.perf_counter() - ep.clock.started, 3)
-                sums, start_step = self._new_sums(), 0
-                self._finish_epoch(row, cursor, sums)
+                stepped, sums, start_step = start_step < num_steps, self._new_sums(), 0  # stepped: some steps ran here
+                self._finish_epoch(row, cursor, sums, stepped)
                 if self._should_stop(cursor, epoch):
                     break
             obs.call("on_run_end", self)
@@ -475,7 +475,6 @@ class Trainer:
             "run": {"global_batch": self.global_batch_size * cfg.grad_accum_steps, "num_train_samples": len(train_data)},
         }
         self.memory_plan, self.throughput = preflight.prepare(self, train_data, val_data)
-        self._dir.clear_earlier_run()
         if self._scheduler_wants_run and self.scheduler is None:
             per_epoch = feed.steps_per_epoch // cfg.grad_accum_steps
             shape = RunShape(total_steps=per_epoch * cfg.epochs, steps_per_epoch=per_epoch, epochs=cfg.epochs)
@@ -602,11 +601,11 @@ class Trainer:
 
     def _validate(self, val_data: Any, stop: StopSignals, cursor: Cursor, sums: dict[str, torch.Tensor]) -> dict[str, float]:
         """The epoch's validation columns (``val_...``), and the EMA weights' (``val_ema_...``). A stop
-        signal ends it within a few batches (a long one would outlast a scheduler's grace period): the
+        signal ends it at the next batch (a long one would outlast a scheduler's grace period): the
         checkpoint holds the epoch's last step, and the resumed run validates the epoch."""
-        st = self.strategy  # processes agree every 8 batches: their batch counts are equal
+        st, every = self.strategy, self.config.log_every  # processes agree at log intervals, as in training
         self._stop_eval = (lambda index: stop.requested) if st.num_processes == 1 else \
-            (lambda index: index % 8 == 7 and st.any_process(stop.requested))
+            (lambda index: index % every == every - 1 and st.any_process(stop.requested))
         try:
             columns = {f"val_{k}": v for k, v in self.evaluate(val_data).items() if k != "num_samples"}
             if self.ema is not None:
@@ -631,14 +630,14 @@ class Trainer:
         return recomputed_batch_norm(self.model, (self._on_device(b, training=False) for b, _ in batches),
                                      lambda batch: self.io.call(self._forward, batch))
 
-    def _finish_epoch(self, row: dict[str, Any], cursor: Cursor, sums: dict[str, torch.Tensor]) -> None:
+    def _finish_epoch(self, row: dict[str, Any], cursor: Cursor, sums: dict[str, torch.Tensor], stepped: bool) -> None:
         """An epoch's bookkeeping, in the order a resume relies on: history and TensorBoard are
         written before the checkpoint that marks the epoch done; callbacks hear of it last."""
         cfg, st = self.config, self.strategy
         self._observers.call("on_epoch_row", self, row)
         row.update(self.runtime.runtime_stats())
         if self.scheduler is not None and cfg.scheduler_interval == "epoch":
-            resumable.step_schedule(self.scheduler, cursor)
+            resumable.step_schedule(self.scheduler, quiet=not stepped)
         improved = self._track_best(row, cursor)
         self.history.append(row)
         cursor.epoch_done = True
@@ -862,12 +861,14 @@ class Trainer:
     def _patience_spent(self, cursor: Cursor) -> bool:
         """Early stopping: the monitored value has not improved for ``early_stop_patience`` epochs."""
         patience = self.config.early_stop_patience
-        return patience is not None and cursor.epoch_done and cursor.epoch - (cursor.best_epoch or 0) >= patience
+        since = max(cursor.best_epoch or 0, cursor.unjudged_until)
+        return patience is not None and cursor.epoch_done and cursor.epoch - since >= patience
 
     def _track_best(self, row: dict[str, Any], cursor: Cursor) -> bool | None:
         monitor = self.monitor
         if monitor not in row:
-            return None  # said once the epoch is saved (preflight.missing_monitor)
+            cursor.unjudged_until = row["epoch"]  # said once the epoch is saved (preflight.missing_monitor)
+            return None
         value, best = row[monitor], cursor.best
         improved = not math.isnan(value) and (
             math.isnan(best) or (value > best if self.monitor_mode == "max" else value < best)

@@ -28,6 +28,11 @@ _MANY_PROCESSES = (f"{XMP}.spawn", "torch_xla.launch", "torch.multiprocessing.sp
                    "torch.distributed.init_process_group", "torch.nn.parallel.DistributedDataParallel")
 
 
+def _opaque(call: ast.Call) -> bool:
+    """Whether ``**kwargs`` or ``*args`` may carry any argument of ``call``."""
+    return any(k.arg is None for k in call.keywords) or any(isinstance(a, ast.Starred) for a in call.args)
+
+
 class LoaderRules:
     """Data loaders: ragged training batches, samplers, and which loader feeds the step."""
 
@@ -159,7 +164,7 @@ class LoaderRules:
             return
         # DataLoader(dataset, batch_size=1, shuffle, sampler, batch_sampler, num_workers,
         # collate_fn, pin_memory, drop_last=False, ...): **kwargs may carry either
-        opaque = any(k.arg is None for k in call.keywords) or any(isinstance(a, ast.Starred) for a in call.args)
+        opaque = _opaque(call)
         size_node = _arg(call, 1, "batch_size")
         default_size = None if opaque else {1}
         sizes = self.static_values(size_node) if size_node is not None else default_size
@@ -258,14 +263,14 @@ class LoaderRules:
         """A training DataLoader with no sampler in a script that runs several processes: each
         process reads the whole dataset (the tutorials' most common slip). An info: a dataset may
         split itself by rank, which the check cannot see."""
-        starts = next((c for c in calls if self.call_name(c) in _MANY_PROCESSES
-                       and _const(_kw(c, "nprocs")) != 1), None)  # spawn(fn, nprocs=1) runs one
+        # spawn(fn, args, nprocs=1) runs one process
+        starts = next((c for c in calls if self.call_name(c) in _MANY_PROCESSES and not (
+            self.call_name(c).endswith("spawn") and _const(_arg(c, 2, "nprocs")) == 1)), None)
         if starts is None:
             return
         train, _ = self.fed_loaders()
         for call in calls:
-            opaque = any(k.arg is None for k in call.keywords) or any(isinstance(a, ast.Starred) for a in call.args)
-            if call not in train or self.call_name(call) not in _DATALOADERS or opaque \
+            if call not in train or self.call_name(call) not in _DATALOADERS or _opaque(call) \
                     or _arg(call, 3, "sampler") is not None or _arg(call, 4, "batch_sampler") is not None:
                 continue
             self.add(
