@@ -88,6 +88,31 @@ def test_gpt2_trains_on_its_own_loss_with_dict_batches_and_its_weights_load_back
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in model.state_dict().items())
 
 
+def test_a_causal_lm_on_a_loss_of_its_own_validates_over_the_whole_set_without_its_attention_cache(tmp_path):
+    """A loss that returns one number has no per-sample form: evaluation keeps the outputs to score
+    the whole set at once, and a Hugging Face output's cache (a DynamicCache, which no loss reads
+    and none can gather) stays out of them."""
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32,
+                                     bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    assert model.config.use_cache  # the output carries a cache object
+
+    def lm_loss(outputs, labels):
+        logits = outputs.logits
+        return nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+
+    val = _lm_items(20, 1)
+    history = _trainer(model, lm_loss, tmp_path / "run", epochs=1, inputs=("input_ids", "attention_mask"),
+                       targets="labels").fit(_lm_items(32, 0), val)
+    model.eval()
+    with torch.no_grad():
+        batch = {k: torch.stack([item[k] for item in val]) for k in val[0]}
+        by_hand = float(lm_loss(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]),
+                                batch["labels"]))
+    assert history[0]["val_loss"] == pytest.approx(by_hand, rel=1e-5)
+
+
 class _Seen(nn.Module):
     """A Llama whose forward keeps what each keyword it was given held."""
 

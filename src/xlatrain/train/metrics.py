@@ -101,6 +101,28 @@ class RowCollector:
         return tree_unflatten(columns, self._spec)
 
 
+# Output keys that hold an attention cache (Hugging Face's past_key_values, named cache and
+# cache_params in newer releases, each a DynamicCache or the like): no loss reads one, a cache
+# object cannot be gathered, and kept for a whole-set loss it would cost host memory as the
+# activations do.
+_CACHE_KEYS = ("past_key_values", "cache", "cache_params")
+
+
+def _is_cache(key: Any, value: Any) -> bool:
+    return key in _CACHE_KEYS or type(value).__name__.endswith("Cache")
+
+
+def _without_caches(outputs: Any) -> Any:
+    """A model's outputs as a whole-set loss reads them: without an attention cache."""
+    if not (isinstance(outputs, Mapping) and any(_is_cache(k, v) for k, v in outputs.items())):
+        return outputs
+    kept = {k: v for k, v in outputs.items() if not _is_cache(k, v)}
+    try:
+        return kept if type(outputs) is dict else type(outputs)(**kept)
+    except TypeError:  # a mapping that is not built from keywords
+        return kept
+
+
 def as_float(tree: Any) -> Any:
     return tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
 
@@ -176,7 +198,8 @@ class EvalAccumulator:
         if self.streaming is not None and real > 0:
             self.streaming.update(first_rows(predictions, real, rows), first_rows(targets, real, rows))
         if self.rows is not None:
-            kept = self.io.field(as_float(outputs)) if self.loss is not None and self.loss.mode == "whole_set" else predictions
+            whole_set = self.loss is not None and self.loss.mode == "whole_set"
+            kept = _without_caches(self.io.field(as_float(outputs))) if whole_set else predictions
             self.rows.add(pad_rows((kept, targets), rows, self.full_rows))
 
     def compute(
