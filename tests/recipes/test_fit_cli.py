@@ -170,3 +170,18 @@ def test_a_run_that_stops_inside_its_first_epoch_has_its_config_yaml(tmp_path):
         trainer.fit(DiskGoneAfter(parts.train_data, 200), parts.val_data)
     assert not (tmp_path / "run" / "history.json").exists()  # it stopped inside epoch 1 ...
     assert run_config_from_dict(yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())) == config  # ... and says how it ran
+
+
+def test_the_pe_recipe_reads_a_local_pack_it_is_given_without_a_folder_or_generating_one(tmp_path):
+    from xlatrain.recipes.pe_detection.recipe import DataConfig, datasets, prepare_data
+
+    made = DataConfig(root=str(tmp_path / "made"), num_studies=6, slices_per_study=[4, 5], stored_size=48,
+                      image_size=32, num_folds=3, pack_workers=1)
+    prepare_data(made)  # generates the folder and packs it into made/shards
+    # Only the pack now, as after `xlatrain pack`: real data (synthetic off), no folder beside it.
+    given = DataConfig(root=str(tmp_path / "no-folder"), shards=str(tmp_path / "made" / "shards"), synthetic=False,
+                       num_studies=6, slices_per_study=[4, 5], stored_size=48, image_size=32, num_folds=3)
+    split = datasets(given, num_workers=0)
+    rows = (tmp_path / "made" / "train.csv").read_text().splitlines()[1:]
+    assert len(split.train) + len(split.val) == len(rows)
+    assert not (tmp_path / "no-folder").exists()  # nothing generated, nothing asked of data.root

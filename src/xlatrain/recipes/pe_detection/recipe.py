@@ -99,8 +99,8 @@ def prepare_data(data: DataConfig, timeout_s: float = 1800.0) -> None:
     def done() -> bool:
         return _packed(data.shard_dir) if data.source == "shards" else (root / "train.csv").is_file()
 
-    if data.source == "shards" and isinstance(data.shard_dir, str) and _packed(data.shard_dir):
-        return  # a pack on object storage is read as it is: no local folder needed
+    if data.source == "shards" and data.shards and _packed(data.shard_dir):
+        return  # a pack the config names (local or on object storage) is read as it is: no folder needed
     if int(os.environ.get("LOCAL_RANK", "0")) != 0:
         deadline = time.monotonic() + timeout_s
         while not done():
