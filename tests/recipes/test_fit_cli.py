@@ -185,3 +185,12 @@ def test_the_pe_recipe_reads_a_local_pack_it_is_given_without_a_folder_or_genera
     rows = (tmp_path / "made" / "train.csv").read_text().splitlines()[1:]
     assert len(split.train) + len(split.val) == len(rows)
     assert not (tmp_path / "no-folder").exists()  # nothing generated, nothing asked of data.root
+
+
+def test_the_object_storage_page_packs_the_labels_the_pe_recipe_reads():
+    from xlatrain.recipes.pe_detection.labels import TARGET_NAMES
+
+    page = (Path(__file__).parents[2] / "docs" / "guides" / "object-storage.md").read_text()
+    command = page.split("xlatrain pack ", 1)[1].split("xlatrain fit", 1)[0].replace("\\\n", " ")
+    labels = command.split("--labels", 1)[1].split("#", 1)[0].split()
+    assert set(TARGET_NAMES) <= set(labels) and "--group" in command

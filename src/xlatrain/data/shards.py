@@ -1315,7 +1315,9 @@ class ShardDataset:
         wanted = options.labels if options.labels is not None else names
         missing = [n for n in wanted if n not in names]
         if missing:
-            raise ValueError(f"label(s) {missing} are not in {root}: packed labels are {list(names)}")
+            raise ValueError(f"label(s) {missing} are not in {root}: packed labels are {list(names)}. Pack them "
+                             "in (xlatrain pack ... --labels with these names too, and --replace over this pack), or ask "
+                             "for packed ones only")
         self.label_names = tuple(wanted)
         columns = [names.index(n) for n in wanted]
         labels = index.labels[self._ids][:, columns]
