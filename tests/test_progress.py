@@ -216,3 +216,12 @@ def test_the_epoch_line_says_its_rates_are_the_training_steps_and_its_time_the_w
         "rates)  training 556 samples/s  71,168 tokens/s  MFU 10.0%  (best val_loss)")
     without = {k: v for k, v in row.items() if k not in ("val_loss", "warmup_s", "tokens_per_s", "mfu")}
     assert epoch_line(without, 12, "train_loss", False) == "epoch 2/12  train_loss 0.5000  3.6s  training 556 samples/s"
+
+
+def test_an_epoch_whose_monitored_value_is_nan_says_it_was_not_judged():
+    from xlatrain.progress import epoch_line
+
+    row = {"epoch": 1, "train_loss": 0.5, "val_mean_auc": float("nan"), "epoch_time_s": 1.0}
+    assert epoch_line(row, 3, "val_mean_auc", False).endswith(
+        "(val_mean_auc is NaN: not judged, so no best weights from this epoch)")
+    assert "NaN" not in epoch_line({**row, "val_mean_auc": 0.7}, 3, "val_mean_auc", False)

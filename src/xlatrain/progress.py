@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import sys
 import time
@@ -269,6 +270,9 @@ def epoch_line(row: Mapping[str, Any], epochs: int, monitor: str, improved: bool
     """The line that ends an epoch: its losses and metrics, time, rates and MFU."""
     shown = [f"{k} {v:.4f}" for k, v in row.items() if k.startswith(("train_", "val_")) and "auc_" not in k]
     star = f"  (best {monitor})" if improved else ""
+    value = row.get(monitor)
+    if isinstance(value, float) and math.isnan(value):  # an AUC of a label with one class in the set, say
+        star = f"  ({monitor} is NaN: not judged, so no best weights from this epoch)"
     # The rates are the training steps' (validation has none), the time the epoch's whole.
     rate = "".join(f"  {'training ' if not i else ''}{format_rate(row[k])} {unit}" for i, (k, unit) in enumerate(
         (k, unit) for k, unit in (("samples_per_s", "samples/s"), ("tokens_per_s", "tokens/s")) if k in row))
