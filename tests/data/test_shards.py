@@ -319,6 +319,18 @@ def test_trainer_fits_shard_datasets_and_evaluates_every_record_once(tmp_path):
     train.close()
 
 
+def test_the_records_an_epoch_leaves_out_of_full_batches_are_said_for_a_shard_dataset(shards, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="xlatrain")
+    ds = ShardDataset(shards, channels=1, labels=["cls"])
+    trainer = Trainer(_TinyNet(), nn.MSELoss(), functools.partial(torch.optim.SGD, lr=1e-3),
+                      config=TrainConfig(epochs=1, batch_size=16, run_dir=str(tmp_path / "run"), task="none",
+                                         tensorboard=False), backend="cpu")
+    trainer.fit(ds)
+    assert "note: each epoch trains 6 full batches of 16, 96 of the 101 samples, so that every step has the same " \
+           "shape: the 5 at the end of ShardDataset's order for the epoch (its own to shuffle) wait for another " \
+           "epoch" in caplog.text
+
+
 # --------------------------------------------------------------------------------------------
 # Worker processes, shared batch slots, decoding straight into the batch
 

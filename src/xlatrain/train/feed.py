@@ -241,16 +241,19 @@ class TrainFeed:
         """A user's sampler whose length is not what it gives: the steps come from what it gives;
         samples the Trainer's own sampler leaves out of each epoch to keep every batch full."""
         sampler = self.sampler
-        if isinstance(sampler, TrainSampler):
-            global_batch = sampler.loader_batch * sampler.num_processes
+        if isinstance(sampler, TrainSampler) or isinstance(self.dataset, BatchSource):
+            global_batch = self._layout["loader_batch"] * self._layout["num_processes"]
+            num_samples = sampler.num_samples if sampler is not None else len(self.dataset)
             used = self.steps_per_epoch * global_batch
-            left = sampler.num_samples - used
+            left = num_samples - used
             if left <= 0:
                 return None
             return (f"note: each epoch trains {self.steps_per_epoch} full batches of {global_batch}, {used} of the "
-                    f"{sampler.num_samples} samples, so that every step has the same shape: the {left} at the end of "
-                    + ("its shuffled order, different ones each epoch, wait for another epoch" if sampler.shuffle else
-                       "the order are never trained on"))
+                    f"{num_samples} samples, so that every step has the same shape: the {left} at the end of "
+                    + ("its shuffled order, different ones each epoch, wait for another epoch"
+                       if sampler is not None and sampler.shuffle else
+                       f"{type(self.dataset).__name__}'s order for the epoch (its own to shuffle) wait for another epoch"
+                       if sampler is None else "the order are never trained on"))
         if not isinstance(sampler, UserSampler):
             return None
         says, gives = sampler.announced(), sampler.given()
