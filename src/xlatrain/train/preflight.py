@@ -395,16 +395,15 @@ def check_monitor(trainer: Trainer, val_data: Any | None, names: list[str] | Non
         columns |= returned | ({"val_ema_" + c.removeprefix("val_") for c in returned} if cfg.ema_decay is not None else set())
     if monitor not in columns and unknowable:
         if names is not None:
-            said = (f"metrics_fn returned {', '.join(sorted(names)) or 'no metric'} on two validation rows, so the "
-                    f"columns known before training are {', '.join(sorted(columns))}")
+            said = (f"{_did_you_mean(monitor, columns)}: metrics_fn returned {', '.join(sorted(names)) or 'no metric'} "
+                    f"on two validation rows, so the columns known before training are {', '.join(sorted(columns))}")
+        elif trainer.metrics_fn is not None:  # it raised on two rows (too few for it, as an AUC is): nothing is amiss
+            said = " is to come from metrics_fn, which gave no names on two validation rows (too few for it)"
         else:
-            source = "metrics_fn (as val_<name>)" if trainer.metrics_fn is not None else "the labels' AUCs (val_auc_<index>)"
-            said = (f"it is not among the columns known before training ({', '.join(sorted(columns))}) and must come "
-                    f"from {source}")
+            said = " is to be a label's AUC (val_auc_<index>: the labels are not named)"
         trainer._say(
-            f"note: monitor={monitor!r}{_did_you_mean(monitor, columns)}: {said}; the history's columns are known once "
-            "the first validation, after epoch 1, has run, and a monitor not among them stops the run there, "
-            "with the epoch saved"
+            f"note: monitor={monitor!r}{said}; the history's columns are known once the first validation, after "
+            "epoch 1, has run, and a monitor not among them stops the run there, with the epoch saved"
         )
     if monitor not in columns and not unknowable:
         raise ValueError(
