@@ -95,12 +95,28 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
+    from xlatrain import storage
     from xlatrain.checkpoint import CheckpointError, export_weights
 
+    source, upload = args.source, None
+    if storage.is_url(source):
+        # A run on object storage: its newest complete checkpoint comes down to the run's local
+        # copy, and without --out the weights go up beside the run.
+        from xlatrain.storage.remote_run import RemoteRun
+
+        run = RemoteRun(source)
+        run.pull()
+        if not run.complete_checkpoints():
+            raise ValueError(f"{source} holds no complete checkpoint: give xlatrain export a run directory URL "
+                             "(gs://BUCKET/RUN), or a local run directory or checkpoint")
+        source, upload = str(run.local), None if args.out else f"{args.source.rstrip('/')}/model.safetensors"
     try:
-        used, out = export_weights(args.source, args.out)
+        used, out = export_weights(source, args.out)
     except CheckpointError as exc:
         raise ValueError(str(exc)) from None
+    if upload is not None:
+        storage.upload(out, upload)
+        out = upload
     print(f"wrote {out} (the model's weights from {used}; load them with xlatrain.load_weights(model, path))")
     return 0
 

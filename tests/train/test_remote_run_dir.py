@@ -52,12 +52,25 @@ def test_a_run_on_object_storage_goes_up_and_resumes_on_a_machine_that_has_none_
     assert "brought down" in more.stderr + more.stdout
     assert json.loads(storage.read_bytes(f"{url}/history.json")) == history
     # xlatrain report reads the run from the store and puts its report beside it.
-    from conftest import run_command
+    from conftest import run_command, script_env
 
     out = run_command([sys.executable, "-m", "xlatrain.cli", "report", url],
                       env={**gcs.env, "XLATRAIN_CACHE_DIR": str(tmp_path / "vm3")}).stdout
     assert f"wrote {url}/report" in out
     assert any(n.startswith("report/") for n in _objects(url))
+    # xlatrain export reads its newest checkpoint from the store and puts the weights beside it.
+    out = run_command([sys.executable, "-m", "xlatrain.cli", "export", url],
+                      env={**gcs.env, "XLATRAIN_CACHE_DIR": str(tmp_path / "vm4")}).stdout
+    assert f"wrote {url}/model.safetensors (the model's weights from" in out
+    from safetensors.torch import load as load_safetensors
+
+    weights = load_safetensors(storage.read_bytes(f"{url}/model.safetensors"))
+    best = load_safetensors(storage.read_bytes(f"{url}/best.safetensors"))
+    assert weights.keys() == best.keys() and all(v.shape == best[k].shape for k, v in weights.items())
+    empty = subprocess.run([sys.executable, "-m", "xlatrain.cli", "export", f"gs://{BUCKET}/no-run-here"],
+                           env=script_env({**gcs.env, "XLATRAIN_CACHE_DIR": str(tmp_path / "vm5")}),
+                           capture_output=True, text=True, timeout=120)
+    assert empty.returncode == 2 and f"gs://{BUCKET}/no-run-here holds no complete checkpoint" in empty.stderr
 
 
 def test_kill_9_while_a_checkpoint_goes_up_resumes_from_the_last_complete_one(gcs, tmp_path):
