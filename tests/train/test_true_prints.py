@@ -80,3 +80,33 @@ def test_fsdp_units_are_the_repeated_blocks_not_a_final_norm_standing_alone():
         vocab_size=64))
     units = find_units(model)
     assert [type(u).__name__ for _, u in units] == ["LlamaDecoderLayer"] * 3
+
+
+class _StopBeforeTheFirstStep:
+    def on_fit_start(self, trainer):
+        raise RuntimeError("stopped before the first step")
+
+
+def test_a_whole_set_loss_that_would_keep_gigabytes_on_the_host_is_said_before_the_first_step(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="xlatrain")
+
+    def gap(outputs, targets):  # one number for a batch: no per-sample form
+        return (outputs.mean() - targets.mean()) ** 2
+
+    def fit(width, n_val):
+        caplog.clear()
+        g = torch.Generator().manual_seed(0)
+        data = TensorDataset(torch.randn(n_val, 4, generator=g), torch.randn(n_val, 1, generator=g))
+        trainer = Trainer(nn.Linear(4, width), gap, functools.partial(torch.optim.SGD, lr=0.1),
+                          config=TrainConfig(epochs=1, batch_size=4, run_dir=str(tmp_path / f"w{width}"), task="none",
+                                             tensorboard=False), callbacks=[_StopBeforeTheFirstStep()], backend="cpu")
+        with pytest.raises(RuntimeError, match="stopped before the first step"):
+            trainer.fit(TensorDataset(*data[:8]), data)
+        return caplog.text
+
+    # 8,000 rows of 65,536 outputs (and a target), float32: 2.1 GB kept after each epoch.
+    said = fit(65536, 8000)
+    assert "note: the loss returns one number for a batch (no per-sample form), so evaluation keeps every " \
+           "validation row's outputs and targets on the host to score the set at once: about 2.1 GB for these " \
+           "8,000 samples" in said
+    assert "note: the loss returns one number" not in fit(8, 4000)  # 256 kB: nothing to say

@@ -112,7 +112,7 @@ def _is_cache(key: Any, value: Any) -> bool:
     return key in _CACHE_KEYS or type(value).__name__.endswith("Cache")
 
 
-def _without_caches(outputs: Any) -> Any:
+def without_caches(outputs: Any) -> Any:
     """A model's outputs as a whole-set loss reads them: without an attention cache."""
     if not (isinstance(outputs, Mapping) and any(_is_cache(k, v) for k, v in outputs.items())):
         return outputs
@@ -199,7 +199,7 @@ class EvalAccumulator:
             self.streaming.update(first_rows(predictions, real, rows), first_rows(targets, real, rows))
         if self.rows is not None:
             whole_set = self.loss is not None and self.loss.mode == "whole_set"
-            kept = _without_caches(self.io.field(as_float(outputs))) if whole_set else predictions
+            kept = without_caches(self.io.field(as_float(outputs))) if whole_set else predictions
             self.rows.add(pad_rows((kept, targets), rows, self.full_rows))
 
     def compute(

@@ -15,7 +15,7 @@ from xlatrain.backend.base import host_rng_state, set_host_rng_state
 from xlatrain.backend.model_state import optimizer_state_bytes, weight_bytes
 from xlatrain.backend.precision import Precision
 from xlatrain.train import perf
-from xlatrain.train.batch import tree_map
+from xlatrain.train.batch import tree_flatten, tree_map
 from xlatrain.data.source import BatchSource
 from xlatrain.train.checks import (
     check_class_outputs,
@@ -27,7 +27,7 @@ from xlatrain.train.checks import (
 )
 from xlatrain.train.feed import first_batch
 from xlatrain.train.losses import EvalLoss
-from xlatrain.train.metrics import as_float, default_monitor, is_streaming, task_from_shapes
+from xlatrain.train.metrics import as_float, default_monitor, is_streaming, task_from_shapes, without_caches
 from xlatrain.train.model_io import no_grad_message, own_loss_terms
 
 # The Trainer (train/trainer.py) calls these functions with itself; named here without an import,
@@ -186,6 +186,8 @@ def _validation_batch(trainer: Trainer, val_data: Any) -> list[str] | None:
                 outputs = io.call(model, batch)
             predictions = io.predictions(outputs)
             trainer._eval_loss = _eval_loss(trainer, outputs, predictions, targets)
+            if trainer._eval_loss.mode == "whole_set" and (note := _whole_set_note(trainer, outputs, targets, val_data)):
+                trainer._say(note)
             if trainer.task == "auto":
                 trainer.task = task_from_shapes(predictions, targets)
             if trainer.task != "none" or trainer.config.top_k:
@@ -208,6 +210,29 @@ def _validation_batch(trainer: Trainer, val_data: Any) -> list[str] | None:
         raise
     finally:
         model.train(was_training)
+
+
+# Host memory a whole-set loss may keep without a word: past it, the header says how much.
+WHOLE_SET_SAID_BYTES = 1e9
+
+
+def _whole_set_note(trainer: Trainer, outputs: Any, targets: Any, val_data: Any) -> str | None:
+    """A loss with no per-sample form keeps every validation row's outputs and targets on the host
+    to score the set at once (float32, as it scores them): said where that comes to a gigabyte or
+    more, from the dry run's rows times the set's length (a language model's logits: rows x tokens
+    x vocabulary, 130 GB for 1,000 x 1,024 x 32k)."""
+    leaves = [t for t in tree_flatten((without_caches(trainer.io.field(outputs)), targets))[0] if isinstance(t, torch.Tensor)]
+    rows = leaves[0].shape[0] if leaves and leaves[0].dim() else 0
+    if not rows:
+        return None
+    total = sum(t.numel() * 4 for t in leaves) / rows * len(val_data)
+    if total < WHOLE_SET_SAID_BYTES:
+        return None
+    return (f"note: the loss returns one number for a batch (no per-sample form), so evaluation keeps every "
+            f"validation row's outputs and targets on the host to score the set at once: about "
+            f"{perf.human_bytes(total)} for these {len(val_data):,} samples, after each epoch. A loss_fn that takes "
+            "reduction= and returns per-sample values for reduction='none' is averaged on the device instead "
+            "(or set output_field to the one output the loss reads)")
 
 
 class _NamesOf:
