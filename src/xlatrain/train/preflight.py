@@ -221,7 +221,8 @@ def _whole_set_note(trainer: Trainer, outputs: Any, targets: Any, val_data: Any)
     to score the set at once (float32, as it scores them): said where that comes to a gigabyte or
     more, from the dry run's rows times the set's length (a language model's logits: rows x tokens
     x vocabulary, 130 GB for 1,000 x 1,024 x 32k)."""
-    leaves = [t for t in tree_flatten((without_caches(trainer.io.field(outputs)), targets))[0] if isinstance(t, torch.Tensor)]
+    kept = (without_caches(trainer.io.field(outputs)), targets)  # what evaluation keeps of each row
+    leaves = [t for t in tree_flatten(kept)[0] if isinstance(t, torch.Tensor)]
     rows = leaves[0].shape[0] if leaves and leaves[0].dim() else 0
     if not rows:
         return None
