@@ -234,7 +234,7 @@ def test_a_monitor_only_metrics_fn_can_name_is_said_before_training_and_checked_
     # What it raised on the dry run's two rows is not the run's.
     assert trainer.fit(_classification(32), _classification(10))[-1]["val_f1"] == 0.5
     assert "note: monitor='val_f1' is to come from metrics_fn, which gave no names on two validation rows " \
-           "(too few for it); the history's columns are known once the first validation" in caplog.text
+           "(it raised there); the history's columns are known once the first validation" in caplog.text
 
 
 def test_metrics_fn_names_are_each_fits_own_and_a_non_mapping_is_refused_before_training(tmp_path):

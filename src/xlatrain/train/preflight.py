@@ -423,8 +423,10 @@ def check_monitor(trainer: Trainer, val_data: Any | None, names: list[str] | Non
         if names is not None:
             said = (f"{_did_you_mean(monitor, columns)}: metrics_fn returned {', '.join(sorted(names)) or 'no metric'} "
                     f"on two validation rows, so the columns known before training are {', '.join(sorted(columns))}")
-        elif trainer.metrics_fn is not None:  # it raised on two rows (too few for it, as an AUC is): nothing is amiss
-            said = " is to come from metrics_fn, which gave no names on two validation rows (too few for it)"
+        elif trainer.metrics_fn is not None and (is_streaming(trainer.metrics_fn) or isinstance(val_data, BatchSource)):
+            said = " is to come from metrics_fn, which is not run before training here"
+        elif trainer.metrics_fn is not None:  # it raised on two rows (an AUC needs both classes): nothing is amiss
+            said = " is to come from metrics_fn, which gave no names on two validation rows (it raised there)"
         else:
             said = " is to be a label's AUC (val_auc_<index>: the labels are not named)"
         trainer._say(
