@@ -70,21 +70,16 @@ def _jsonable(name: str, value: Any) -> Any:
     return value
 
 
-def plain_settings(param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Parameter groups with their one-number tensors as numbers, for JSON.
+def as_numbers(value: Any) -> Any:
+    """``value`` (parameter groups, a scheduler's state) with each one-number tensor as the Python
+    number it holds (float, int or bool, as its dtype is), through dicts, lists and tuples, for JSON.
 
     ``lr=torch.tensor(0.01)`` is how torch's compiled optimizer step takes a rate that a scheduler
     changes without recompiling (the scheduler's ``base_lrs`` are tensors then too);
     :func:`with_tensors` gives a loaded state its tensors back.
     """
-    return [as_numbers(group) for group in param_groups]
-
-
-def as_numbers(value: Any) -> Any:
-    """``value`` (a setting, a state dict) with each one-number tensor as the Python number it
-    holds (float, int or bool, as its dtype is), through dicts, lists and tuples."""
     if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return value.item()
+        return value.item()  # at a checkpoint (or once before the first step), never in a step
     if isinstance(value, dict):
         return {k: as_numbers(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -153,7 +148,7 @@ def _unsaveable(value: Any, where: str = "") -> tuple[str, str]:
 def check_saveable(optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
     """Refuse, before the first step, an optimizer or scheduler whose settings no checkpoint can
     hold: otherwise the run would stop at its first checkpoint, with that much training lost."""
-    _jsonable("optimizer param_groups", plain_settings(optimizer.state_dict()["param_groups"]))
+    _jsonable("optimizer param_groups", as_numbers(optimizer.state_dict()["param_groups"]))
     if scheduler is not None:
         _jsonable("scheduler state", as_numbers(scheduler.state_dict()))
 
@@ -208,7 +203,7 @@ def pack_whole(
     return tensors, {
         "model_aliases": aliases,
         "optimizer": {
-            "param_groups": _jsonable("optimizer param_groups", plain_settings(opt_state["param_groups"])),
+            "param_groups": _jsonable("optimizer param_groups", as_numbers(opt_state["param_groups"])),
             "scalars": _jsonable("optimizer state", scalars),
         },
     }
@@ -216,7 +211,7 @@ def pack_whole(
 
 def sharded_extra(extra: dict[str, Any]) -> dict[str, Any]:
     """The JSON part of a sharded state (optimizer hyper-parameters and scalars), checked."""
-    return {"param_groups": _jsonable("optimizer param_groups", plain_settings(extra["param_groups"])),
+    return {"param_groups": _jsonable("optimizer param_groups", as_numbers(extra["param_groups"])),
             "scalars": _jsonable("optimizer state", extra["scalars"])}
 
 
