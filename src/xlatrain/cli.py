@@ -213,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
 # (--debug, or XLATRAIN_DEBUG=1, shows it). Exit status 2: the input must change; 1: the run failed.
 USER_ERRORS = {
     "ValueError": 2, "RunDirError": 2, "BackendUnavailableError": 2, "CheckpointError": 1,
-    "NonFiniteLossError": 1, "DiagnosticsError": 1, "StorageError": 1,
+    "NonFiniteLossError": 1, "DiagnosticsError": 1, "StorageError": 1, "StorageInputError": 2,
 }
 
 

@@ -140,10 +140,18 @@ def test_packing_again_onto_object_storage_writes_nothing_new_and_other_inputs_a
         _pack(other_csv, images, url)
 
 
-def test_a_missing_bucket_is_named_before_any_work(packed, tmp_path):
+def test_a_missing_bucket_is_named_before_any_work(packed, tmp_path, capsys):
+    from xlatrain import cli
+
     _, _, (csv, images) = packed
     with pytest.raises(storage.StorageError, match="the bucket no-such-bucket does not exist"):
         _pack(csv, images, "gs://no-such-bucket/shards")
+    # From the command line: a name to change, so exit 2 (input), not 1 (a run that failed).
+    code = cli.main(["pack", "--csv", str(csv), "--images", str(images), "--path-column", "path", "--labels", "rid",
+                     "--out", "gs://no-such-bucket/shards", "--quiet"])
+    assert code == 2 and "the bucket no-such-bucket does not exist" in capsys.readouterr().err
+    assert isinstance(storage.explain("gs://b/x", FileNotFoundError("x"), "reading"), storage.StorageInputError)
+    assert not isinstance(storage.explain("gs://b/x", ConnectionRefusedError(), "reading"), storage.StorageInputError)
     with pytest.raises(ValueError, match="gs://no-such-bucket/shards/manifest.json does not exist"):
         ShardDataset("gs://no-such-bucket/shards")
 

@@ -422,7 +422,7 @@ class _StorageOut:
         """The bucket exists and answers, before any image is read."""
         bucket = self.path.split("/", 1)[0]
         if not storage.retrying("looking up", self.root, lambda: self.fs.exists(bucket)):
-            raise storage.StorageError(
+            raise storage.StorageInputError(
                 f"--out {self.root}: the bucket {bucket} does not exist (or is not visible to this machine's "
                 "credentials). Create it first (gcloud storage buckets create gs://BUCKET), or fix the name")
 

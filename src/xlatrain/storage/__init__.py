@@ -38,6 +38,12 @@ class StorageError(OSError):
     """A read or write on object storage that failed for good: the message names the URL and the fix."""
 
 
+class StorageInputError(StorageError):
+    """A storage failure that only a change of input mends: a bucket or object that does not exist,
+    credentials without access, a scheme whose package is not installed. The command line exits 2
+    for it (input to change), where an outage that outlasted the retries exits 1."""
+
+
 def is_url(path: Any) -> bool:
     """Whether ``path`` names object storage (a scheme other than ``file://``)."""
     return isinstance(path, str) and "://" in path and not path.startswith("file://")
@@ -97,9 +103,9 @@ def filesystem(url: str) -> tuple[Any, str]:
         scheme = url.split("://", 1)[0]
         package = {"gs": "gcsfs (pip install 'xlatrain[gcs]')", "gcs": "gcsfs (pip install 'xlatrain[gcs]')",
                    "s3": "s3fs", "az": "adlfs", "abfs": "adlfs"}.get(scheme, f"the fsspec package for {scheme}://")
-        raise StorageError(f"{url}: reading {scheme}:// needs {package}; it is not installed ({exc})") from None
+        raise StorageInputError(f"{url}: reading {scheme}:// needs {package}; it is not installed ({exc})") from None
     except ValueError as exc:
-        raise StorageError(f"{url} is not a storage URL fsspec knows ({exc})") from None
+        raise StorageInputError(f"{url} is not a storage URL fsspec knows ({exc})") from None
     scheme = url.split("://", 1)[0]
     _report_library_retries(scheme)  # after the library's modules (and loggers) exist
     if scheme in ("gs", "gcs"):
@@ -172,6 +178,7 @@ def transient(exc: BaseException) -> bool:
 def explain(url: str, exc: BaseException, doing: str, retries: int = 0) -> StorageError:
     """A :class:`StorageError` that names the URL, what failed and the fix."""
     status = _status(exc)
+    kind = StorageInputError  # the names or the access must change
     if isinstance(exc, FileNotFoundError) or status == 404:
         fix = "check the bucket and object names (and that the bucket exists)"
         what = "does not exist"
@@ -180,13 +187,15 @@ def explain(url: str, exc: BaseException, doing: str, retries: int = 0) -> Stora
                "Storage Object User role for the TPU VM's service account, or run gcloud auth application-default login")
         what = "is not accessible with this machine's credentials"
     elif transient(exc):
+        kind = StorageError
         fix = ("check the network and the storage service, then run the same command again (a run continues "
                "from its last complete checkpoint)")
         what = f"could not be reached after {retries} retries"
     else:
+        kind = StorageError
         fix = "see the cause above"
         what = "failed"
-    return StorageError(f"{doing} {url}: it {what} ({type(exc).__name__}: {exc}). Fix: {fix}")
+    return kind(f"{doing} {url}: it {what} ({type(exc).__name__}: {exc}). Fix: {fix}")
 
 
 def retrying(doing: str, url: str, fn: Callable[[], T], waits: Sequence[float] | None = None) -> T:
