@@ -53,6 +53,8 @@ def test_a_finished_run_run_again_says_nothing_to_train_and_does_not_say_it_resu
     _trainer(tmp_path).fit(_data())
     assert "nothing to train" in caplog.text
     assert "resumed from" not in caplog.text and "continuing at epoch 3" not in caplog.text
+    # No first step follows, so nothing is said of one: no plan "before the first step", no FLOPs.
+    assert "before the first step" not in caplog.text and "model FLOPs" not in caplog.text
 
 
 def test_a_resumed_run_says_where_it_continues(tmp_path, caplog):

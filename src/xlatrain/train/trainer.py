@@ -495,6 +495,18 @@ class Trainer:
             + f" | precision {cfg.precision} | run dir "
             + (f"{self._dir.remote.url} (working copy {self.run_dir})" if self._dir.remote is not None else f"{self.run_dir}")
         )
+        if self._patience_spent(cursor):
+            self._say(
+                f"this run stopped early after epoch {cursor.epoch} ({self.monitor} last improved in epoch "
+                f"{cursor.best_epoch}, early_stop_patience={cfg.early_stop_patience}): nothing to train"
+            )
+            return feed, cursor, sums  # nothing runs, so the lines about the steps to come are left out
+        if cursor.next_position()[0] > cfg.epochs:
+            self._say(
+                f"all {cfg.epochs} epoch(s) of this run are done: nothing to train. Raise epochs to train "
+                "on, or start over (resume=False or 'overwrite'; --fresh or --overwrite on the command line)."
+            )
+            return feed, cursor, sums
         for note in rt.notes(cfg.compile):
             self._say(f"note: {note}")
         feeding = [f"{feed.num_workers} decode worker(s) ({feed.workers_reason})"] if feed.num_workers is not None else []
@@ -513,17 +525,7 @@ class Trainer:
         self._say(self.throughput.summary())
         if note := feed.length_note():
             self._say(note)
-        if self._patience_spent(cursor):
-            self._say(
-                f"this run stopped early after epoch {cursor.epoch} ({self.monitor} last improved in epoch "
-                f"{cursor.best_epoch}, early_stop_patience={cfg.early_stop_patience}): nothing to train"
-            )
-        elif cursor.next_position()[0] > cfg.epochs:
-            self._say(
-                f"all {cfg.epochs} epoch(s) of this run are done: nothing to train. Raise epochs to train "
-                "on, or start over (resume=False or 'overwrite'; --fresh or --overwrite on the command line)."
-            )
-        elif self._resumed_from is not None:
+        if self._resumed_from is not None:
             epoch, step = cursor.next_position()
             self._say(f"resumed from {self._resumed_from}: continuing at epoch {epoch}, step {step} (optimizer step "
                       f"{cursor.global_step})")
