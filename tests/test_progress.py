@@ -216,6 +216,8 @@ def test_the_epoch_line_says_its_rates_are_the_training_steps_and_its_time_the_w
         "rates)  training 556 samples/s  71,168 tokens/s  MFU 10.0%  (best val_loss)")
     without = {k: v for k, v in row.items() if k not in ("val_loss", "warmup_s", "tokens_per_s", "mfu")}
     assert epoch_line(without, 12, "train_loss", False) == "epoch 2/12  train_loss 0.5000  3.6s  training 556 samples/s"
+    # A small model's first steps take hundredths of a second: said as such, not as "0.0s".
+    assert "(first steps 0.043s, left out" in epoch_line({**row, "warmup_s": 0.0432}, 12, "val_loss", True)
 
 
 def test_an_epoch_whose_monitored_value_is_nan_says_it_was_not_judged():

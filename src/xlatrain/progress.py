@@ -208,7 +208,7 @@ class EpochProgress:
 
 
 def format_rate(value: float) -> str:
-    """A rate with the digits it has: ``1,874``, ``12.5``, ``0.27`` (never a ``0`` for a small one)."""
+    """A rate (or a time) with the digits it has: ``1,874``, ``12.5``, ``0.27`` (never a ``0`` for a small one)."""
     if value >= 100:
         return f"{value:,.0f}"
     if value >= 1:
@@ -278,7 +278,7 @@ def epoch_line(row: Mapping[str, Any], epochs: int, monitor: str, improved: bool
         (k, unit) for k, unit in (("samples_per_s", "samples/s"), ("tokens_per_s", "tokens/s")) if k in row))
     rate += f"  MFU {100 * row['mfu']:.1f}%" if "mfu" in row else ""
     # Rates leave the fit's first steps out: their time (compiling, first allocations) is said apart.
-    warm = f" (first steps {row['warmup_s']:.1f}s, left out of the rates)" if "warmup_s" in row else ""
+    warm = f" (first steps {format_rate(row['warmup_s'])}s, left out of the rates)" if "warmup_s" in row else ""
     whole = " with validation" if any(k.startswith("val_") for k in row) else ""
     return (f"epoch {row['epoch']}/{epochs}  " + "  ".join(shown) + f"  {row['epoch_time_s']:.1f}s{whole}{warm}"
             + rate + star)
