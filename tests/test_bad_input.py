@@ -377,6 +377,12 @@ CASES: dict[str, Case] = {
                                          "ValueError", r"no validation data was given", r"Set monitor"),
     "metrics_fn not a mapping": Case(api(lambda d: trainer(d, metrics_fn=lambda o, t: 0.5).fit(data(), data(8))),
                                      "TypeError", r"metrics_fn .*returned a float", r"\{name: value\}"),
+    "metrics_fn value of several numbers": Case(
+        api(lambda d: trainer(d, metrics_fn=lambda o, t: {"recall": torch.ones(3)}).fit(data(), data(8))),
+        "TypeError", r"metrics_fn .*returned a Tensor of shape \(3,\) for 'recall'", r"one key per number"),
+    "metrics_fn value a string": Case(
+        api(lambda d: trainer(d, metrics_fn=lambda o, t: {"device": "cpu"}).fit(data(), data(8))),
+        "TypeError", r"returned str 'cpu' for 'device'", r"must be one number"),
     "inputs key missing": Case(api(lambda d: trainer(d, inputs="image").fit([{"x": torch.ones(4), "y": 0}] * 32)),
                                "ValueError", r"'image'", r"inputs="),
     "predict on empty data": Case(api(lambda d: trainer(d).predict(data(0))), "ValueError",

@@ -254,6 +254,14 @@ def test_metrics_fn_names_are_each_fits_own_and_a_non_mapping_is_refused_before_
         listing.fit(_classification(32), _classification(10))
     assert not (tmp_path / "b" / "history.json").exists()  # refused in the dry run, before the first step
 
+    # A value of several numbers (a per-class tensor) is refused there too, not after an epoch.
+    per_class = Trainer(_mlp(), nn.CrossEntropyLoss(), functools.partial(torch.optim.Adam, lr=0.1),
+                        metrics_fn=lambda outputs, targets: {"recall": torch.ones(3), "f1": 0.5},
+                        config=TrainConfig(epochs=1, batch_size=8, run_dir=str(tmp_path / "c")), backend="cpu")
+    with pytest.raises(TypeError, match=r"returned a Tensor of shape \(3,\) for 'recall'"):
+        per_class.fit(_classification(32), _classification(10))
+    assert not per_class.optimizer.state  # no step was taken
+
 
 def test_functional_losses_with_a_reduction_argument_evaluate(tmp_path):
     trainer = _trainer(tmp_path, loss=F.cross_entropy, batch_size=8)

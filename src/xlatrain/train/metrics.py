@@ -240,8 +240,29 @@ class EvalAccumulator:
                         f"metrics_fn {metrics_fn!r} returned a {type(found).__name__}, not a mapping: return "
                         "{name: value}, e.g. {'f1': f1}; each becomes the history column val_<name>"
                     )
-                out.update({k: float(v) for k, v in found.items()})
+                out.update(metric_numbers(metrics_fn, found))
         return out
+
+
+def metric_numbers(metrics_fn: Any, found: Mapping[Any, Any]) -> dict[str, float]:
+    """``metrics_fn``'s result as history columns, one number each: a value that is not one number
+    (a tensor of several, a string) is refused, naming the function and the key."""
+    out = {}
+    for key, value in found.items():
+        array = isinstance(value, (torch.Tensor, np.ndarray))
+        try:
+            if array and math.prod(value.shape) != 1:
+                raise TypeError(key)  # float() would take one element of a bigger array's only row
+            out[str(key)] = float(value)
+        except (TypeError, ValueError):
+            what = (f"a {type(value).__name__} of shape {tuple(value.shape)}" if array
+                    else f"{type(value).__name__} {value!r:.60}")
+            raise TypeError(
+                f"metrics_fn {metrics_fn!r} returned {what} for {key!r}: each value becomes one history column "
+                f"(val_{key}) and must be one number (a float, or a tensor of one element). Return one key per "
+                f"number, e.g. {{f'{key}_{{i}}': float(v) for i, v in enumerate(values)}}"
+            ) from None
+    return out
 
 
 def _metric_values(metric: Any, found: Any) -> dict[str, float]:

@@ -27,7 +27,9 @@ from xlatrain.train.checks import (
 )
 from xlatrain.train.feed import first_batch
 from xlatrain.train.losses import EvalLoss
-from xlatrain.train.metrics import as_float, default_monitor, is_streaming, task_from_shapes, without_caches
+from xlatrain.train.metrics import (
+    as_float, default_monitor, is_streaming, metric_numbers, task_from_shapes, without_caches,
+)
 from xlatrain.train.model_io import no_grad_message, own_loss_terms
 
 # The Trainer (train/trainer.py) calls these functions with itself; named here without an import,
@@ -255,6 +257,7 @@ class _NamesOf:
             return {}
         if not isinstance(found, Mapping):
             return found  # not a mapping on any rows: evaluation's own error says so now, not after an epoch
+        metric_numbers(self.metrics_fn, found)  # a value that is not one number: said now, not after an epoch
         self.names = [str(k) for k in found]
         return {}
 
