@@ -383,6 +383,9 @@ CASES: dict[str, Case] = {
     "metrics_fn value a string": Case(
         api(lambda d: trainer(d, metrics_fn=lambda o, t: {"device": "cpu"}).fit(data(), data(8))),
         "TypeError", r"returned str 'cpu' for 'device'", r"must be one number"),
+    "collate_fn that does not stack": Case(
+        api(lambda d: trainer(d, collate_fn=lambda items: items).fit(data(), data(8))),
+        "ValueError", r"collate_fn .* returned the 2 items it was given, one by one, not a batch", r"default_collate"),
     "inputs key missing": Case(api(lambda d: trainer(d, inputs="image").fit([{"x": torch.ones(4), "y": 0}] * 32)),
                                "ValueError", r"'image'", r"inputs="),
     "predict on empty data": Case(api(lambda d: trainer(d).predict(data(0))), "ValueError",

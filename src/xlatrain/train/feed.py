@@ -347,7 +347,17 @@ def first_batch(data: Any, rows: int = 2, collate_fn: Callable[[list[Any]], Any]
     if len(data) == 0:
         raise ValueError("the evaluation set is empty: give at least one sample")
     items = Items(data)
-    return collate_fn([items[i] for i in range(min(rows, len(data)))])
+    given = [items[i] for i in range(min(rows, len(data)))]
+    batch = collate_fn(given)
+    if collate_fn is not collate and isinstance(batch, (list, tuple)) and len(batch) == len(given) > 1 \
+            and all(b is g for b, g in zip(batch, given)):
+        # Two items unstacked would pass for an (inputs, targets) pair and fail inside the model.
+        raise ValueError(
+            f"collate_fn {collate_fn!r} returned the {len(given)} items it was given, one by one, not a batch: it must "
+            "stack them, e.g. return torch.utils.data.default_collate(items) after its own changes (or leave "
+            "collate_fn out)"
+        )
+    return batch
 
 
 class Items(Dataset):  # type: ignore[type-arg]
