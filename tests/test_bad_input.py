@@ -383,6 +383,13 @@ CASES: dict[str, Case] = {
     "metrics_fn value a string": Case(
         api(lambda d: trainer(d, metrics_fn=lambda o, t: {"device": "cpu"}).fit(data(), data(8))),
         "TypeError", r"returned str 'cpu' for 'device'", r"must be one number"),
+    "cross-entropy targets as int32": Case(
+        api(lambda d: trainer(d).fit(TensorDataset(torch.randn(32, 4), torch.randint(0, 3, (32,), dtype=torch.int32)))),
+        "ValueError", r"CrossEntropyLoss got class indices as int32", r"\.long\(\)"),
+    "BCE-with-logits targets as integers": Case(
+        api(lambda d: trainer(d, model=nn.Linear(4, 3), loss=nn.BCEWithLogitsLoss()).fit(
+            TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32, 3))))),
+        "ValueError", r"BCEWithLogitsLoss got int64 targets", r"\.float\(\)"),
     "collate_fn that does not stack": Case(
         api(lambda d: trainer(d, collate_fn=lambda items: items).fit(data(), data(8))),
         "ValueError", r"collate_fn .* returned the 2 items it was given, one by one, not a batch", r"default_collate"),

@@ -119,11 +119,28 @@ def is_cross_entropy(loss_fn: Any) -> bool:
 
 
 def check_class_targets(loss_fn: Any, targets: Any) -> None:
-    """Cross-entropy's targets, checked on the host copy of the dry run's batch."""
-    if is_cross_entropy(loss_fn) and isinstance(targets, torch.Tensor) and targets.dtype == torch.bool:
+    """The targets' dtype against what a cross-entropy or BCE-with-logits loss takes: torch's own
+    error names neither the dataset nor the fix. Read from the batch as the step gets it (after the
+    batch transforms), which needs no value off the device."""
+    if not isinstance(targets, torch.Tensor):
+        return
+    dtype = str(targets.dtype).removeprefix("torch.")
+    if is_cross_entropy(loss_fn) and targets.dtype == torch.bool:
         raise ValueError(
             "CrossEntropyLoss got bool targets: give class indices (targets.long() in the dataset) or class "
             "probabilities (floats of the outputs' shape)"
+        )
+    if is_cross_entropy(loss_fn) and not targets.is_floating_point() and targets.dtype not in (torch.int64, torch.uint8):
+        raise ValueError(
+            f"CrossEntropyLoss got class indices as {dtype}: it takes them as int64 (torch.long). Return "
+            "torch.as_tensor(label).long() in the dataset, or targets.long() in collate_fn or batch_transform"
+        )
+    inner = getattr(loss_fn, "func", loss_fn)  # functools.partial
+    bce = isinstance(loss_fn, torch.nn.BCEWithLogitsLoss) or inner is torch.nn.functional.binary_cross_entropy_with_logits
+    if bce and not targets.is_floating_point():
+        raise ValueError(
+            f"BCEWithLogitsLoss got {dtype} targets: it takes floats (0.0 and 1.0, or probabilities). Return "
+            "labels.float() in the dataset, or targets.float() in collate_fn or batch_transform"
         )
 
 

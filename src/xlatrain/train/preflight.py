@@ -103,7 +103,7 @@ def _training_batch(trainer: Trainer, train_data: Any) -> tuple[perf.StepProfile
                 if note:
                     trainer._say(note)
                 if not io.own_loss:
-                    check_class_targets(trainer.loss_fn, io.targets_of(host))
+                    check_class_targets(trainer.loss_fn, targets)  # dtypes only: no device read
             with precision.autocast():
                 outputs = io.call(module, batch)
                 if first and not io.own_loss:
