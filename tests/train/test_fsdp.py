@@ -203,11 +203,15 @@ def test_a_two_process_fsdp_checkpoint_reshards_to_another_process_count(fsdp, t
 
 
 @pytest.mark.multiprocess
-def test_a_ddp_checkpoint_resumes_under_fsdp_in_one_process(ddp, tmp_path):
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_ddp_checkpoint_resumes_under_fsdp(ddp, tmp_path, processes):
+    # Two processes: each reads the whole checkpoint and the main one sends every tensor's shards,
+    # tensor by tensor, in the same order in both (they crashed in gloo where it was the file's).
     run_dir, whole = ddp
     cut = _cut_after(run_dir, tmp_path / "cut", 6)
-    resumed = _fit(cut, "cpu", "fsdp", 2, 24, *COMMON)
-    assert "FSDP over 1 process(es)" in resumed["stdout"] and "resumed from" in resumed["stdout"]
+    launcher = _torchrun(processes) if processes > 1 else (sys.executable,)
+    resumed = _fit(cut, "cpu", "fsdp", 2, 24 // processes, *COMMON, launcher=launcher)
+    assert f"FSDP over {processes} process(es)" in resumed["stdout"] and "resumed from" in resumed["stdout"]
     _same_losses(resumed["HISTORY"], whole["HISTORY"])
     _same_weights(cut / "final.safetensors", run_dir / "final.safetensors")
 

@@ -438,7 +438,12 @@ def load_whole_sharded(
 
     name_of = {id(p): n for n, p in model.named_parameters(remove_duplicate=True)}
     order = [name_of[id(p)] for g in optimizer.param_groups for p in g["params"]]
-    state = {order[int(i)]: values for i, values in optim_state["state"].items()}
+    # set_state_dict sends each tensor from the main process in the order of these mappings, so
+    # every process must walk them alike; a safetensors file comes back in a different key order
+    # in each process (its header is read into a hash map), hence the sorting.
+    weights = {name: weights[name] for name in sorted(weights)}
+    state = {order[int(i)]: dict(sorted(values.items())) for i, values in
+             sorted(optim_state["state"].items(), key=lambda item: int(item[0]))}
     groups = [{**g, "params": [order[int(i)] for i in g["params"]]} for g in optim_state["param_groups"]]
     set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict={"state": state, "param_groups": groups},
                    options=StateDictOptions(full_state_dict=True))
