@@ -91,9 +91,12 @@ def test_a_finished_run_says_there_is_nothing_to_train(tmp_path, caplog):
 @pytest.mark.parametrize(
     ("change", "named"),
     [
-        ({"batch_size": 8}, r"run\.global_batch 4 -> 8"),
+        # run.global_batch is no key to set: the message says which one keeps it.
+        ({"batch_size": 8}, r"run\.global_batch 4 -> 8. The global batch is trainer\.batch_size x devices x "
+                            r"trainer\.grad_accum_steps, here 8 x 1 x 1 = 8; trainer\.batch_size=4 keeps 4 on 1 device"),
         ({"seed": 1}, r"trainer\.seed 0 -> 1"),
-        ({"grad_accum_steps": 2}, r"trainer\.grad_accum_steps 1 -> 2"),
+        ({"grad_accum_steps": 2}, r"trainer\.grad_accum_steps 1 -> 2.*here 4 x 1 x 2 = 8; trainer\.batch_size=4 with "
+                                   r"trainer\.grad_accum_steps=1 keeps 4 on 1 device"),
     ],
 )
 def test_a_setting_the_state_was_built_under_cannot_change(tmp_path, change, named):

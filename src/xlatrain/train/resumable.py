@@ -136,12 +136,29 @@ def check_resumable(trainer: Trainer, path: Path, tensors: dict[str, torch.Tenso
     continued, refused = resume_changes(old, trainer._config_record, epochs_done=done,
                                         best_recorded=raw.get("best_epoch") is not None)
     if refused:
-        raise ValueError(f"cannot resume from {path}: the run cannot continue under {'; '.join(refused)}. {ways_on}")
+        raise ValueError(f"cannot resume from {path}: the run cannot continue under {'; '.join(refused)}. "
+                         f"{_global_batch_hint(trainer, old)}{ways_on}")
     was, now = old.get("trainer", {}).get("epochs"), trainer.config.epochs
     if was is not None and was != now and trainer.scheduler is not None:
         _refuse_a_schedule_of_another_length(trainer, path, meta, was, now)
     if continued:
         trainer._say(f"resuming with changed settings: {'; '.join(continued)}")
+
+
+def _global_batch_hint(trainer: Trainer, old: dict[str, Any]) -> str:
+    """The batch size that keeps a checkpoint's global batch on this run's devices, where it changed:
+    run.global_batch is made, not set. Accumulation cannot change, so the hint keeps the saved one."""
+    cfg, world = trainer.config, trainer.strategy.world_size
+    was, now = old.get("run", {}).get("global_batch"), trainer._config_record["run"]["global_batch"]
+    if was is None or was == now:
+        return ""
+    accum = old.get("trainer", {}).get("grad_accum_steps", cfg.grad_accum_steps)
+    keep = was / (world * accum)
+    with_accum = f" with trainer.grad_accum_steps={accum}" if accum != cfg.grad_accum_steps else ""
+    return (f"The global batch is trainer.batch_size x devices x trainer.grad_accum_steps, here {cfg.batch_size} x "
+            f"{world} x {cfg.grad_accum_steps} = {now}; " + (
+                f"trainer.batch_size={int(keep)}{with_accum} keeps {was} on {world} device(s). " if keep == int(keep)
+                else f"no batch size makes {was} on {world} device(s){with_accum}. "))
 
 
 # Settings of torch's schedulers that hold a length in steps or epochs (a cosine's T_max,
