@@ -31,6 +31,27 @@ def test_tied_weights_stay_tied_after_moving_to_an_xla_device(tmp_path):
     assert "TIED OK xla" in out.stdout, out.stderr[-3000:]
 
 
+MULTIPROCESS_COUNT = """
+import xlatrain
+try:
+    xlatrain.select_backend("xla", devices=2, xla_mode="multiprocess")
+except ValueError as exc:
+    print("REFUSED", exc)
+"""
+
+
+@pytest.mark.xla
+def test_a_device_count_in_the_multiprocess_mode_points_to_the_launch_not_to_a_setting(tmp_path):
+    # One process per device: the count is the launch's, and on XLA:CPU that mode hangs past one
+    # device, so the fix is spawn or SPMD, not CPU_NUM_DEVICES.
+    env = {"PJRT_DEVICE": "CPU", "PATH": "/usr/bin:/bin", "XLATRAIN_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", MULTIPROCESS_COUNT], capture_output=True, text=True, timeout=180, env=env)
+    refused = out.stdout.partition("REFUSED ")[2]
+    assert "devices=2 with xla_mode='multiprocess', but this process is one of 1 CPU process(es)" in refused, out.stderr[-3000:]
+    assert "xlatrain.spawn(fn, args)" in refused and "xla_mode='spmd'" in refused
+    assert "CPU_NUM_DEVICES" not in refused and "collectives between processes there hang" in refused
+
+
 @pytest.fixture(scope="module")
 def cached_runs(tmp_path_factory):
     """compile_count.py (SPMD over 4 devices) three times with one compile cache: ``a`` writes it,

@@ -189,7 +189,7 @@ class XlaRuntime:
             self.num_devices = xr.global_runtime_device_count()
         else:
             self.num_devices = xr.world_size()
-        _check_count(devices, self.num_devices)
+        _check_count(devices, self.num_devices, spmd)
         self.device = torch_xla.device()
         self._device_type = xr.device_type() or "CPU"
         self.planned_reads = 0  # host reads made through defer/read
@@ -351,14 +351,24 @@ class XlaRuntime:
             xm.set_rng_state(state["xla"])
 
 
-def _check_count(asked: int | None, found: int) -> None:
-    if asked is not None and asked != found:
+def _check_count(asked: int | None, found: int, spmd: bool = True) -> None:
+    if asked is None or asked == found:
+        return
+    kind = os.environ.get("PJRT_DEVICE", "XLA")
+    if not spmd:
+        # One process per device: the count is the launch's, which a setting in the process cannot change.
         raise ValueError(
-            f"devices={asked} but the XLA runtime already runs with {found} "
-            f"{os.environ.get('PJRT_DEVICE', 'XLA')} device(s); this process cannot change it. "
-            f"Use devices={found} or None, or start a new process (on XLA:CPU, set "
-            f"CPU_NUM_DEVICES={asked} before torch_xla starts)."
+            f"devices={asked} with xla_mode='multiprocess', but this process is one of {found} {kind} process(es): "
+            "that mode runs one process per device, so the launch sets the count. Start the training function "
+            "with xlatrain.spawn(fn, args) (one process per device present; the command line does not spawn), or "
+            f"use xla_mode='spmd' (the default), where one process spreads over devices={asked}"
+            + (". On XLA:CPU use SPMD: torch_xla's collectives between processes there hang" if kind == "CPU" else "")
         )
+    raise ValueError(
+        f"devices={asked} but the XLA runtime already runs with {found} {kind} device(s); this process cannot "
+        f"change it. Use devices={found} or None, or start a new process (on XLA:CPU, set "
+        f"CPU_NUM_DEVICES={asked} before torch_xla starts)."
+    )
 
 
 def _start_compile_cache(spmd: bool) -> str | None:
