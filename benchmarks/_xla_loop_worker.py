@@ -246,13 +246,14 @@ def _trainer(opts: dict[str, Any]) -> dict[str, Any]:
         history = trainer.fit(_data(opts))
         wall = time.perf_counter() - started
     last = history[-1]
-    cache = {k: last[k] for k in ("xla_cache_hits", "xla_cache_misses", "xla_cache_load_failures") if k in last}
+    cache = {k: sum(row[k] for row in history) for k in ("xla_cache_hits", "xla_cache_misses", "xla_cache_load_failures")
+             if k in last}
     return {
         "epochs": meter.rows,
         "fit_wall_s": wall,
-        # Cumulative process counters at the end of each epoch (history columns): everything
-        # after epoch 1's end, best-weight saves included, counts as after warm-up.
-        "compilations_after_epoch_1": int(last["xla_compilations"] - history[0]["xla_compilations"]),
+        # Each epoch's own counts (history columns): everything after epoch 1's end, best-weight
+        # saves included, counts as after warm-up.
+        "compilations_after_epoch_1": int(sum(row["xla_compilations"] for row in history[1:])),
         "cache": cache,
         "compile_cache_dir": trainer.runtime.compile_cache_dir,
         "backend": trainer.backend.describe(),

@@ -166,3 +166,14 @@ def test_the_reports_memory_figures_are_the_headers_plan_and_the_estimate_beside
     assert measured[3] == ("- memory per device, planned before the first step: 68.0 MB (one forward and backward at "
                            "batch 64 measured 60.0 MB, optimizer state 8.0 MB)")
     assert measured[4].startswith("- memory per device, estimated before the first step: 46.0 MB")
+
+
+def test_xla_compilations_are_reported_as_each_epochs_own(tmp_path):
+    from xlatrain.report import write_history, write_report
+
+    # The history holds each epoch's count: a resumed run's first epoch (here the third) compiles again.
+    rows = [{"epoch": e, "train_loss": 1.0 / e, "epoch_time_s": 1.0, "xla_compilations": c}
+            for e, c in ((1, 7), (2, 0), (3, 9))]
+    write_history(tmp_path, rows)
+    summary = (write_report(tmp_path) / "summary.md").read_text()
+    assert "- XLA compilations per epoch: 7, 0, 9 (7 in epoch 1, 9 after it)" in summary

@@ -198,9 +198,10 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
     # be far under 1e-4, so it keeps its significant digits.
     lines += ["- last epoch: " + ", ".join(f"lr at the epoch's start {v:.3g}" if k == "lr" else f"{k} {v:.4f}"
                                            for k, v in last.items() if isinstance(v, float))]
-    if "xla_compilations" in last:
-        growth = last["xla_compilations"] - rows[0]["xla_compilations"]
-        lines += [f"- XLA compilations: {rows[0]['xla_compilations']} in epoch 1, {growth} after it"]
+    if "xla_compilations" in last:  # each epoch's own count (a resumed run's first epoch compiles again)
+        counts = [int(row.get("xla_compilations", 0)) for row in rows]
+        lines += [f"- XLA compilations per epoch: {', '.join(map(str, counts[:20]))}{' ...' if len(counts) > 20 else ''}"
+                  f" ({counts[0]} in epoch 1, {sum(counts[1:])} after it)"]
     diagnostics = run_dir / "diagnostics.json"
     if diagnostics.is_file():
         report = json.loads(diagnostics.read_text())

@@ -73,12 +73,12 @@ def cached_runs(tmp_path_factory):
 def test_the_compile_cache_is_written_and_the_second_run_reports_what_it_got(cached_runs):
     cache, runs = cached_runs
     (first, _), (second, _) = runs["a"], runs["b"]
-    compiled = first[-1]["xla_compilations"]
-    assert first[-1]["xla_cache_misses"] == compiled and any(cache.iterdir())
+    compiled = sum(row["xla_compilations"] for row in first)  # each epoch's own count
+    assert sum(row["xla_cache_misses"] for row in first) == compiled > 0 and any(cache.iterdir())
     # Every graph of the second run was looked up in the cache: a hit on TPU/GPU; on XLA:CPU
     # torch_xla 2.9 cannot deserialize its own entries, and the history says so.
-    got = second[-1]["xla_cache_hits"] + second[-1]["xla_cache_load_failures"]
-    assert got == compiled and second[-1]["xla_cache_misses"] == 0
+    got = sum(row["xla_cache_hits"] + row["xla_cache_load_failures"] for row in second)
+    assert got == compiled and sum(row["xla_cache_misses"] for row in second) == 0
 
 
 PEAK = """

@@ -86,7 +86,7 @@ def test_pe_recipe_runs_unchanged_on_four_xla_cpu_devices(tmp_path):
     history = _fit(tmp_path, "pe_detection", [*TINY_PE, "trainer.batch_size=2", "backend.accelerator=xla", "backend.devices=4"],
                    env={"PJRT_DEVICE": "CPU"})
     assert history[-1]["train_loss"] < history[0]["train_loss"]
-    assert history[-1]["xla_compilations"] == history[0]["xla_compilations"]
+    assert history[0]["xla_compilations"] > 0 and history[-1]["xla_compilations"] == 0  # each epoch's own count
     _assert_no_xla_waste(tmp_path)
 
 
@@ -103,7 +103,7 @@ def test_depth_mask_recipe_on_xla_cpu_has_no_recompilation_after_warm_up(tmp_pat
                                             "trainer.batch_size=1"], env={"PJRT_DEVICE": "CPU"})
     assert history[-1]["train_loss"] < history[0]["train_loss"]
     assert {"val_dice", "val_iou", "val_depth_rmse"} <= set(history[-1])
-    assert len({row["xla_compilations"] for row in history}) == 1
+    assert [row["xla_compilations"] for row in history][1:] == [0, 0]
     _assert_no_xla_waste(tmp_path)
 
 

@@ -2,7 +2,7 @@
 
 Usage: python compile_count.py RUN_DIR [multilabel]
 
-Prints the history (with the cumulative xla_compilations column) as JSON.
+Prints the history (with each epoch's xla_compilations column) as JSON.
 """
 
 import functools

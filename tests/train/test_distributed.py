@@ -86,11 +86,11 @@ def test_xla_compilations_do_not_grow_after_the_first_epoch(tmp_path, task):
     history = run_script(
         [sys.executable, str(SCRIPTS / "compile_count.py"), str(tmp_path), task], env={"PJRT_DEVICE": "CPU"}
     )
-    compiles = [row["xla_compilations"] for row in history]
-    assert compiles[0] > 0 and compiles == [compiles[0]] * 3, compiles
+    compiles = [row["xla_compilations"] for row in history]  # each epoch's own
+    assert compiles[0] > 0 and compiles[1:] == [0, 0], compiles
     # Host reads are planned, not per step: the same handful every epoch (progress, epoch loss,
     # validation sums, best weights), far fewer than the 6 train + 10 eval steps per epoch.
-    transfers = [b["xla_host_transfers"] - a["xla_host_transfers"] for a, b in zip(history, history[1:])]
+    transfers = [row["xla_host_transfers"] for row in history[1:]]
     assert transfers[0] == transfers[1] <= (8 if task == "classification" else 12), transfers
     # The per-epoch StepLR schedule changed the rate without a recompile.
     assert [row["lr"] for row in history] == [0.01, 0.005, 0.0025]
@@ -317,7 +317,7 @@ def test_one_cycle_per_step_never_recompiles_on_xla_and_ends_at_its_own_rate(tmp
 
     history, last = _pipeline(["xla", "4", "4", "3", str(tmp_path), "onecycle"], env={"PJRT_DEVICE": "CPU"})
     compiles = [row["xla_compilations"] for row in history]
-    assert compiles == [compiles[0]] * 3, compiles  # nothing compiled after the first epoch
+    assert compiles[1:] == [0, 0], compiles  # nothing compiled after the first epoch
     diagnostics = json.loads((tmp_path / "diagnostics.json").read_text())
     assert diagnostics["clean"], diagnostics["findings"]
     # 128 samples / global batch 16 = 8 optimizer steps per epoch, 24 in all.

@@ -92,7 +92,8 @@ class Runtime(Protocol):
         ...
 
     def runtime_stats(self) -> dict[str, float]:
-        """Cumulative runtime counters worth a history column (XLA: compilations, host reads)."""
+        """The process's runtime counters worth a history column, as totals (XLA: compilations, host
+        reads); each epoch's row gets what grew during it."""
         ...
 
     def seed_everything(self, seed: int) -> None:

@@ -495,18 +495,13 @@ class Trainer:
             + f" | precision {cfg.precision} | run dir "
             + (f"{self._dir.remote.url} (working copy {self.run_dir})" if self._dir.remote is not None else f"{self.run_dir}")
         )
-        if self._patience_spent(cursor):
-            self._say(
-                f"this run stopped early after epoch {cursor.epoch} ({self.monitor} last improved in epoch "
-                f"{cursor.best_epoch}, early_stop_patience={cfg.early_stop_patience}): nothing to train"
-            )
+        if self._patience_spent(cursor) or cursor.next_position()[0] > cfg.epochs:
+            self._say(f"this run stopped early after epoch {cursor.epoch} ({self.monitor} last improved in epoch "
+                      f"{cursor.best_epoch}, early_stop_patience={cfg.early_stop_patience}): nothing to train"
+                      if self._patience_spent(cursor) else
+                      f"all {cfg.epochs} epoch(s) of this run are done: nothing to train. Raise epochs to train on, "
+                      "or start over (resume=False or 'overwrite'; --fresh or --overwrite on the command line).")
             return feed, cursor, sums  # nothing runs, so the lines about the steps to come are left out
-        if cursor.next_position()[0] > cfg.epochs:
-            self._say(
-                f"all {cfg.epochs} epoch(s) of this run are done: nothing to train. Raise epochs to train "
-                "on, or start over (resume=False or 'overwrite'; --fresh or --overwrite on the command line)."
-            )
-            return feed, cursor, sums
         for note in rt.notes(cfg.compile):
             self._say(f"note: {note}")
         feeding = [f"{feed.num_workers} decode worker(s) ({feed.workers_reason})"] if feed.num_workers is not None else []
@@ -562,6 +557,8 @@ class Trainer:
         """What one epoch's loop needs: its batches, the step hooks bound once, the interval meter
         and the clock of its steady window (the first ``warm`` steps left out of its rates)."""
         self.model.train()
+        if warm:  # the fit's first epoch: its runtime counters start here, after the checks before it
+            self._stats_mark = self.runtime.runtime_stats()
         obs = self._observers
         clock = WarmupClock(start_step, min(warm, max(feed.steps_per_epoch - start_step - 1, 0)), time.perf_counter())
         meter = IntervalMeter(start_step, samples_per_step=self.global_batch_size, start_loss_sum=self._start_loss_sum,
@@ -637,7 +634,9 @@ class Trainer:
         written before the checkpoint that marks the epoch done; callbacks hear of it last."""
         cfg, st = self.config, self.strategy
         self._observers.call("on_epoch_row", self, row)
-        row.update(self.runtime.runtime_stats())
+        now = self.runtime.runtime_stats()  # process totals: the row gets the epoch's share
+        row.update({key: value - self._stats_mark.get(key, 0) for key, value in now.items()})
+        self._stats_mark = now
         if self.scheduler is not None and cfg.scheduler_interval == "epoch":
             resumable.step_schedule(self.scheduler, quiet=not stepped)
         improved = self._track_best(row, cursor)
