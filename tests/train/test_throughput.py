@@ -85,3 +85,19 @@ def _compiled_epoch(tmp_path):
     assert whole_epoch_rate < 0.75 * row["samples_per_s"], (whole_epoch_rate, row)
     steady_s = (20 - 2) * 64 / row["samples_per_s"]
     assert abs(row["warmup_s"] + steady_s - row["epoch_time_s"]) < 0.1 * row["epoch_time_s"], row
+
+
+def test_under_accumulation_the_warm_up_lasts_two_optimizer_steps(tmp_path):
+    # A step's graphs (XLA, torch.compile) differ until the second optimizer step, which is micro
+    # step 4 with two micro-batches per step: the rates start after it.
+    rates = _Rates()
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(8 * 10, 256, generator=g), torch.randint(0, 10, (8 * 10,), generator=g))
+    trainer = xlatrain.Trainer(
+        nn.Sequential(nn.Linear(256, 10)), nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.01),
+        config=xlatrain.TrainConfig(epochs=1, batch_size=8, grad_accum_steps=2, log_every=2, run_dir=str(tmp_path),
+                                    tensorboard=False),
+        accelerator="cpu", callbacks=[rates],
+    )
+    trainer.fit(data)
+    assert [v["samples_per_s"] is None for v in rates.values] == [True, True, False, False, False]  # steps 2, 4, .., 10

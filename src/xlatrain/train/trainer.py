@@ -65,7 +65,8 @@ __all__ = ["DoesNotFitError", "EMA_KEY", "EMA_WEIGHTS", "ModelParameters", "NonF
 
 log = get_logger(__name__)
 
-# The first steps of a fit compile (XLA, torch.compile, TorchTPU) and allocate: rates leave them out.
+# The fit's first optimizer steps compile (XLA, torch.compile, TorchTPU) and allocate (the first
+# creates the optimizer's state): rates leave them out, with all their micro-batches.
 WARMUP_STEPS = 2
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
@@ -403,7 +404,7 @@ class Trainer:
                 cursor.epoch, cursor.step, cursor.epoch_done = epoch, start_step, False
                 lr, num_steps = cursor.epoch_lr, feed.steps_per_epoch
                 obs.call("on_epoch_start", self, epoch)  # every epoch, a resumed one included
-                ep = self._epoch_start(feed, epoch, start_step, warm=WARMUP_STEPS if epoch == first_epoch else 0)
+                ep = self._epoch_start(feed, epoch, start_step, warm=WARMUP_STEPS * accum if epoch == first_epoch else 0)
                 extra = False
                 with obs.epoch(self, epoch, start_step, num_steps):  # the bar goes however the epoch ends
                     fetch_started = time.perf_counter()
