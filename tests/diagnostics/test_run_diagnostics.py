@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from conftest import SCRIPTS, run_command, run_script
-from xlatrain.diagnostics.run import INPUT_BOUND_SHARE, RunDiagnostics
+from xlatrain.diagnostics.run import INPUT_BOUND_SHARE, XLA_INPUT_BOUND_SHARE, RunDiagnostics
 
 ENV = {"PJRT_DEVICE": "CPU"}
 
@@ -77,7 +77,7 @@ def test_a_clean_fit_compiles_only_its_warm_up_and_says_each_notice_once(tmp_pat
     # The same fit again, fed by a loader that sleeps: the warm cache cannot load on XLA:CPU, and
     # the wait for batches is no evidence there.
     slow, lines = _fit(tmp_path, "slow", "slow")
-    assert slow["input_bound_share"] > INPUT_BOUND_SHARE  # waited most of the time ...
+    assert slow["input_bound_share"] > XLA_INPUT_BOUND_SHARE  # waited most of the time ...
     assert slow["clean"] and "input-bound" not in {f["code"] for f in slow["findings"]}  # ... and is not judged
     assert sum("input pipeline: not judged on XLA:CPU" in ln for ln in lines) == 1
     cache = [ln for ln in lines if "compile cache" in ln]
@@ -190,3 +190,34 @@ def test_the_native_runtime_reports_its_platform_and_planned_reads():
     be.read([torch.ones(2)])
     be.read([])  # nothing read: not a read
     assert be.planned_reads == 2
+
+
+def _paced_epoch(diag, wait_s, step_s, steps):
+    """One training epoch through diagnostics' own timing: each batch arrives after ``wait_s``,
+    each step takes ``step_s``."""
+    import time
+
+    def batches():
+        for _ in range(steps):
+            time.sleep(wait_s)
+            yield None
+
+    for _ in diag.timed(batches(), "train", 1):
+        time.sleep(step_s)
+    diag.end_epoch(1)
+
+
+@pytest.mark.parametrize(("wait_s", "steps", "flagged"), [
+    (0.04, 40, True),   # a third of the time waited, 1.6 s in all: a finding, below the old half
+    (0.002, 40, False),  # a few percent
+    (0.04, 5, False),   # a third, but 0.2 s in all: a toy run's collating, nothing to fix
+])
+def test_an_eager_run_that_waits_a_fifth_of_its_training_time_or_more_is_told(wait_s, steps, flagged):
+    diag = RunDiagnostics(_Runtime("cpu"), _Strategy(), per_device_batch=8, strict=False)
+    _paced_epoch(diag, wait_s, 0.08, steps)
+    share = diag._input_share()[0]
+    assert (share > INPUT_BOUND_SHARE) is (wait_s == 0.04)
+    found = [f for f in diag.findings() if f.code == "input-bound"]
+    assert bool(found) is flagged, (share, found)
+    if flagged:
+        assert found[0].title == f"{100 * share:.0f}% of training time waited for input"
