@@ -304,7 +304,8 @@ class RunDiagnostics:
             yield batch
 
     def end_epoch(self, epoch: int) -> dict[str, Any]:
-        """Per-epoch evidence; in strict mode, raise on a recompilation or sync after epoch 1."""
+        """Per-epoch evidence; in strict mode, raise on a recompilation or unplanned read after the
+        warm-up: in the first epoch as its findings judge it, in later ones on any."""
         self._probe(epoch, None, None, None, math.inf if epoch == (self._first_epoch or epoch) else 0)
         now = time.perf_counter()
         snap = self._snapshot()
@@ -345,6 +346,11 @@ class RunDiagnostics:
                     f"device {unplanned} time(s) outside the planned reads; "
                     + "; ".join(f.title + " -> " + f.fix for f in self.findings())
                 )
+        elif self._strict and snap is not None:  # the first epoch: judged step by step against its warm-up
+            waste = [f for f in self.findings() if f.code in ("recompilation-after-warmup", "host-sync-per-step")]
+            if waste:
+                raise DiagnosticsError(f"strict: epoch {epoch}, after its warm-up: "
+                                       + "; ".join(f.title + " -> " + f.fix for f in waste))
         return row
 
     # --- findings ------------------------------------------------------------------------------
