@@ -135,7 +135,7 @@ class RunDiagnostics:
         self._phases: dict[str, _Phase] = {}
         self._started = time.perf_counter()
         self._epoch_started = self._started
-        self._train_steps = 0
+        self._train_steps = self._eval_steps = 0
         self._epochs: list[dict[str, Any]] = []
         self._snap = self._snapshot()
         self._first = self._snap
@@ -301,6 +301,8 @@ class RunDiagnostics:
             inputs = self._compare(state, phase, epoch, step, _signature(batch))
             if phase == "train":
                 self._train_steps += 1
+            else:
+                self._eval_steps += 1
             yield batch
 
     def end_epoch(self, epoch: int) -> dict[str, Any]:
@@ -317,7 +319,8 @@ class RunDiagnostics:
         self._active_mark += trained
         wall = now - self._epoch_started
         row: dict[str, Any] = {
-            "epoch": epoch, "wall_s": wall, "train_s": trained, "steps": self._train_steps, "input_wait_s": waited,
+            "epoch": epoch, "wall_s": wall, "train_s": trained, "steps": self._train_steps,
+            "eval_steps": self._eval_steps, "input_wait_s": waited,
             # Of the training pass's time (its steps, their batches' waits and what runs between them,
             # a mid-epoch checkpoint included), not the epoch's: validation waits for no training batch.
             "input_bound_share": min(1.0, waited / trained) if trained > 0 else 0.0,
@@ -334,7 +337,7 @@ class RunDiagnostics:
             row.update(compilations=tc["compilations"], compile_s=tc["compile_s"],
                        recompilations=tc["recompilations"], graph_breaks=tc["graph_breaks"])
         self._epochs.append(row)
-        self._snap, self._planned, self._epoch_started, self._train_steps = snap, planned, now, 0
+        self._snap, self._planned, self._epoch_started, self._train_steps, self._eval_steps = snap, planned, now, 0, 0
         if self._strict and self._compile is not None and (err := self._compile.strict_error()):
             self._compile.stop()
             raise DiagnosticsError(err)
@@ -524,9 +527,13 @@ class RunDiagnostics:
         if self._epochs and "host_reads" in self._epochs[0]:
             scalar = sum(e["scalar_reads"] for e in self._epochs)
             if unplanned >= steps / 2:
+                # Reads are counted per epoch, not per phase: the count is given over the steps of
+                # both, without a per-step rate that would charge evaluation's reads to training.
+                evaluated = sum(e.get("eval_steps", 0) for e in self._epochs)
                 out.append(Finding(
-                    "host-sync-per-step", f"{unplanned / steps:.1f} unplanned device read(s) per step",
-                    f"{unplanned} reads beyond the Trainer's planned ones over {steps} steps; "
+                    "host-sync-per-step", f"{unplanned} unplanned device read(s) in {steps} training step(s)"
+                    + (f" and {evaluated} evaluation step(s)" if evaluated else ""),
+                    f"{unplanned} reads beyond the Trainer's planned ones; "
                     f"{scalar} were .item()/float()/bool() on a device tensor",
                     "Each read stops the device until the step finishes. Remove .item(), float(t), "
                     "print(t) and `if t ...` from the model and loss; the Trainer already sums the "
