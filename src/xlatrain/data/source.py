@@ -27,6 +27,9 @@ def train_steps_per_epoch(num_samples: int, loader_batch: int, num_processes: in
     """
     global_batch = loader_batch * num_processes
     steps = num_samples // global_batch // step_multiple * step_multiple
+    if num_samples == 0:
+        raise ValueError("the training set is empty (0 samples): check the dataset's path, filter or split; "
+                         "no batch size trains on nothing")
     if steps == 0:
         raise ValueError(
             f"the training set has {num_samples} samples, fewer than one optimizer step needs: "
