@@ -226,3 +226,25 @@ def test_an_eager_run_that_waits_a_fifth_of_its_training_time_or_more_is_told(wa
     assert bool(found) is flagged, (share, found)
     if flagged:
         assert found[0].title == f"{100 * share:.0f}% of training time waited for input"
+
+
+@pytest.mark.xla
+def test_a_graph_that_changes_with_a_value_sized_op_is_blamed_on_that_op(tmp_path):
+    report, _ = _fit(tmp_path, "masked", "masked")
+    found = _finding(report, "recompilation-after-warmup")
+    assert "The step ran aten::nonzero, whose output's size depends on the values" in found["fix"], found["fix"]
+    assert "torch.where(mask, t, 0)" in found["fix"] and "Otherwise, look for a Python number" in found["fix"]
+    assert "aten::nonzero" in _finding(report, "cpu-fallback-ops")["evidence"]
+    # Its reads are the fallback's, not an .item() of the user's: the fix says so.
+    reads = _finding(report, "host-sync-per-step")
+    assert "0 were .item()" in reads["evidence"] and reads["fix"].startswith("None of them was .item()")
+    assert "(aten::nonzero) read their inputs" in reads["fix"]
+
+
+def test_reads_beside_ops_that_ran_on_the_cpu_are_not_all_put_down_to_item():
+    # torch's own backward of linalg_eig reads a scalar each step: counted as .item(), but the
+    # user's code has none, so the fix names the fallback too.
+    both = RunDiagnostics._reads_fix(16, {"aten::linalg_eig": 20})
+    assert both.startswith("Each read stops the device") and both.endswith(
+        "Some of the reads may be the op(s) that ran on the CPU (aten::linalg_eig), which read their inputs at each call.")
+    assert "ran on the CPU" not in RunDiagnostics._reads_fix(16, {})

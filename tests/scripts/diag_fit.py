@@ -11,6 +11,8 @@ CAUSE is one of
   ragged  a BatchSource whose last training batch of each epoch is short
   slow    an in-memory dataset that sleeps in __getitem__ (a loader slower than the step)
   slow_val  slow, and its validation set as slow (an epoch's time is half validation)
+  masked  the model sums its activations above their mean by boolean-mask indexing, an op
+          whose output size depends on the values
   accumulate  clean, with gradients accumulated over two micro-batches per optimizer step
           (its warm-up spans the first four micro-batches)
 
@@ -39,8 +41,9 @@ LOG_EVERY = 3  # steps between progress lines (each a planned device read)
 
 
 class Net(nn.Module):
-    def __init__(self, planted_gain: bool, steps_per_epoch: int, step_batch: int) -> None:
+    def __init__(self, planted_gain: bool, steps_per_epoch: int, step_batch: int, masked: bool = False) -> None:
         super().__init__()
+        self.masked = masked
         self.conv = nn.Conv2d(3, 4, 3, padding=1)
         self.head = nn.Linear(4, 2)
         self.planted_gain = planted_gain
@@ -56,6 +59,8 @@ class Net(nn.Module):
             if self.training and x.shape[0] == self.step_batch:
                 self.train_calls += 1
             x = x * (1.0 if self.train_calls >= self.switch_at else 0.5)
+        if self.masked:
+            x = x + 0.0 * x[x > x.mean()].sum()  # a size that depends on the values: a graph per size
         return self.head(x)
 
 
@@ -121,7 +126,8 @@ def main() -> None:
             val = SlowImages(images, labels, delay_s=0.03)
     per_step = BATCH * (devices or 1)
     torch.manual_seed(0)
-    model = Net(planted_gain=cause == "scalar", steps_per_epoch=NUM_SAMPLES // per_step, step_batch=per_step)
+    model = Net(planted_gain=cause == "scalar", steps_per_epoch=NUM_SAMPLES // per_step, step_batch=per_step,
+                masked=cause == "masked")
     trainer = xlatrain.Trainer(
         model, item_loss if cause == "item" else nn.CrossEntropyLoss(),
         lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),

@@ -47,6 +47,10 @@ SMALL_TPU_BATCH = 64  # per-core batch below which a TPU core is mostly idle (bf
 # read, which builds its own graph where it gathers over processes (one process per chip).
 # Everything else is a graph a clean run would not compile.
 WARMUP_STEPS = {"train": 2, "eval": 2}
+# Ops whose output's size depends on the values (t[mask] runs nonzero): on XLA each gives its step
+# a graph of its own shapes, and torch_xla runs them on the CPU.
+VALUE_SIZED_OPS = ("aten::nonzero", "aten::masked_select", "aten::_unique", "aten::_unique2", "aten::unique_dim",
+                   "aten::unique_consecutive", "aten::repeat_interleave", "aten::bincount")
 # torch_xla 2.9 reads it once, at start: then each compilation prints its cause, graph hash,
 # number of graph inputs and the Python line that triggered it ("Compilation Analysis").
 DEBUG_SETTING = "PT_XLA_DEBUG_LEVEL=1"
@@ -482,8 +486,14 @@ class RunDiagnostics:
         if "read" in kinds:
             fixes.append("Remove .item(), float(t), bool(t) and `if t ...` from the model and loss; the Trainer "
                          "already reads the loss every log_every steps without cutting the graph.")
+        sized = [op for op in self._fallbacks() if op in VALUE_SIZED_OPS]
+        if sized and kinds & {"unknown", "graph", "constant"}:
+            fixes.append(f"The step ran {', '.join(sized)}, whose output's size depends on the values (boolean-mask "
+                         "indexing t[mask], nonzero, unique, masked_select): each step then has shapes of its own "
+                         "inside the graph. Use fixed-shape forms: torch.where(mask, t, 0) or (t * mask).sum() for "
+                         "t[mask].sum(), a mask over padded rows instead of selecting them.")
         if kinds & {"unknown", "between", "constant", "graph"}:
-            fixes.append("Look for a Python number or flag in the model, loss, optimizer or scheduler that changes "
+            fixes.append(("Otherwise, look" if sized else "Look") + " for a Python number or flag in the model, loss, optimizer or scheduler that changes "
                          "during training: torch_xla bakes the numbers 0 and 1 into the graph as constants and "
                          "sends other numbers as graph inputs, so a value that reaches or leaves 0 or 1 (a "
                          "schedule's last step, a warm-up factor) compiles a new graph, and so does a Python "
@@ -526,6 +536,7 @@ class RunDiagnostics:
         unplanned, steps = self._unplanned_reads()
         if self._epochs and "host_reads" in self._epochs[0]:
             scalar = sum(e["scalar_reads"] for e in self._epochs)
+            fallbacks = self._fallbacks()
             if unplanned >= steps / 2:
                 # Reads are counted per epoch, not per phase: the count is given over the steps of
                 # both, without a per-step rate that would charge evaluation's reads to training.
@@ -535,14 +546,8 @@ class RunDiagnostics:
                     + (f" and {evaluated} evaluation step(s)" if evaluated else ""),
                     f"{unplanned} reads beyond the Trainer's planned ones; "
                     f"{scalar} were .item()/float()/bool() on a device tensor",
-                    "Each read stops the device until the step finishes. Remove .item(), float(t), "
-                    "print(t) and `if t ...` from the model and loss; the Trainer already sums the "
-                    "loss on the device and reads it every log_every steps.",
+                    self._reads_fix(scalar, fallbacks),
                 ))
-            fallbacks: dict[str, int] = {}
-            for e in self._epochs:
-                for name, count in e["cpu_fallback_ops"].items():
-                    fallbacks[name] = fallbacks.get(name, 0) + count
             if fallbacks:
                 out.append(Finding(
                     "cpu-fallback-ops", f"{len(fallbacks)} op(s) ran on the CPU, not the device",
@@ -568,6 +573,29 @@ class RunDiagnostics:
                 f"Use batch_size >= {SMALL_TPU_BATCH} per core (scale_lr=True scales the learning rate).",
             ))
         return out
+
+    @staticmethod
+    def _reads_fix(scalar: int, fallbacks: dict[str, int]) -> str:
+        """What to change for unplanned reads: an op that ran on the CPU reads its inputs from the
+        device at each call, which a count of reads cannot tell from the user's own .item()."""
+        own = ("Each read stops the device until the step finishes. Remove .item(), float(t), print(t) and "
+               "`if t ...` from the model and loss; the Trainer already sums the loss on the device and reads it "
+               "every log_every steps.")
+        if not fallbacks:
+            return own
+        ops = ", ".join(fallbacks)
+        if not scalar:
+            return (f"None of them was .item(), float() or bool(): the op(s) that ran on the CPU ({ops}) read their "
+                    "inputs from the device at each call. Replace them with ops XLA runs (see that finding).")
+        return own + f" Some of the reads may be the op(s) that ran on the CPU ({ops}), which read their inputs at each call."
+
+    def _fallbacks(self) -> dict[str, int]:
+        """The ops that fell back to the CPU over the epochs, with their counts (XLA only)."""
+        fallbacks: dict[str, int] = {}
+        for e in self._epochs:
+            for name, count in e.get("cpu_fallback_ops", {}).items():
+                fallbacks[name] = fallbacks.get(name, 0) + count
+        return fallbacks
 
     def _unplanned_reads(self) -> tuple[int, int]:
         """Device reads beyond the planned ones over the epochs (XLA's count; 0 elsewhere), and the
