@@ -328,3 +328,20 @@ def test_samples_an_epoch_leaves_out_to_keep_its_batches_full_are_said(tmp_path,
     caplog.clear()
     _trainer(tmp_path / "whole", batch_size=8).fit(_classification(32))
     assert "full batches of" not in caplog.text
+
+
+def test_a_hand_written_loss_that_broadcasts_outputs_against_targets_is_said_before_training(tmp_path, caplog):
+    # outputs (N, 1) against targets (N,): (o - t) is (N, N), so each output meets every target.
+    # torch warns only inside its own losses; this one is the user's.
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(32, 6, generator=g), torch.randn(32, generator=g))
+    caplog.set_level(logging.INFO, logger="xlatrain")
+    _trainer(tmp_path / "a", model=nn.Linear(6, 1), loss=lambda o, t: ((o - t) ** 2).mean(), epochs=1,
+             batch_size=8, task="none").fit(data)
+    notes = [r.getMessage() for r in caplog.records if "by broadcasting" in r.getMessage()]
+    assert len(notes) == 1 and "of shapes (2, 1) and (2,), into (2, 2)" in notes[0] and "squeeze(-1)" in notes[0]
+    # Row by row, as meant: nothing said.
+    caplog.clear()
+    _trainer(tmp_path / "b", model=nn.Linear(6, 1), loss=lambda o, t: ((o.squeeze(-1) - t) ** 2).mean(), epochs=1,
+             batch_size=8, task="none").fit(data)
+    assert "by broadcasting" not in caplog.text

@@ -192,6 +192,36 @@ def refuse_broadcast_loss(caught: list[warnings.WarningMessage], loss_fn: Any) -
         )
 
 
+class PairwiseWatch(torch.overrides.TorchFunctionMode):
+    """Around the dry run's loss: an op that takes the model's outputs and the targets themselves
+    and broadcasts them into something larger than either ((N, 1) against (N,) gives (N, N)), so
+    every output meets every target. torch warns of this only inside its own elementwise losses; a
+    loss written by hand does it silently. A pairwise loss means it, so this is said, not refused."""
+
+    def __init__(self, outputs: Any, targets: Any) -> None:
+        super().__init__()
+        self.pair = {id(outputs), id(targets)} if isinstance(outputs, torch.Tensor) and isinstance(targets, torch.Tensor) \
+            and outputs is not targets else set()
+        self.found: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None = None
+
+    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
+        result = func(*args, **(kwargs or {}))
+        if self.found is None and self.pair and len(args) >= 2 and isinstance(result, torch.Tensor):
+            a, b = args[0], args[1]
+            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and {id(a), id(b)} == self.pair \
+                    and result.numel() > max(a.numel(), b.numel()):
+                self.found = (tuple(a.shape), tuple(b.shape), tuple(result.shape))
+        return result
+
+    def note(self, loss_fn: Any) -> str | None:
+        if self.found is None:
+            return None
+        a, b, into = self.found
+        return (f"note: loss_fn {loss_fn!r} combined the outputs and the targets, of shapes {a} and {b}, into {into} "
+                "by broadcasting: every output met every target. If the loss is meant row by row, give both one "
+                "shape (outputs.squeeze(-1), or targets.view(-1, 1) in the dataset); a pairwise loss means this")
+
+
 def shapes(batch: Any) -> str:
     leaves = tree_map(lambda t: tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__, batch)
     return str(leaves)

@@ -3,6 +3,7 @@ and computes. Whatever cannot work fails here, with its cause, and not after an 
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import math
 import warnings
@@ -22,6 +23,7 @@ from xlatrain.train.checks import (
     error_hints,
     check_class_targets,
     check_task,
+    PairwiseWatch,
     refuse_broadcast_loss,
     shapes,
 )
@@ -108,11 +110,14 @@ def _training_batch(trainer: Trainer, train_data: Any) -> tuple[perf.StepProfile
                 outputs = io.call(module, batch)
                 if first and not io.own_loss:
                     check_class_outputs(trainer.loss_fn, io.field(outputs), io.targets_of(host))
-                with warnings.catch_warnings(record=True) as caught:
+                watch = PairwiseWatch(io.field(outputs), targets) if first and not io.own_loss else None
+                with warnings.catch_warnings(record=True) as caught, watch or contextlib.nullcontext():
                     warnings.simplefilter("always")
                     loss, terms = io.loss(outputs, targets)
             if first:
                 refuse_broadcast_loss(caught, trainer.loss_fn)
+                if watch is not None and (note := watch.note(trainer.loss_fn)):
+                    trainer._say(note)
                 if not loss.requires_grad:
                     raise ValueError(no_grad_message(trainer.loss_fn))
                 trainer._term_names = list(terms)
