@@ -119,9 +119,9 @@ def is_cross_entropy(loss_fn: Any) -> bool:
 
 
 def check_class_targets(loss_fn: Any, targets: Any) -> None:
-    """The targets' dtype against what a cross-entropy or BCE-with-logits loss takes: torch's own
-    error names neither the dataset nor the fix. Read from the batch as the step gets it (after the
-    batch transforms), which needs no value off the device."""
+    """The targets' dtype against what a cross-entropy loss takes: torch's own error names neither
+    the dataset nor the fix. Read from the batch as the step gets it (after the batch transforms),
+    which needs no value off the device."""
     if not isinstance(targets, torch.Tensor):
         return
     dtype = str(targets.dtype).removeprefix("torch.")
@@ -135,9 +135,18 @@ def check_class_targets(loss_fn: Any, targets: Any) -> None:
             f"CrossEntropyLoss got class indices as {dtype}: it takes them as int64 (torch.long). Return "
             "torch.as_tensor(label).long() in the dataset, or targets.long() in collate_fn or batch_transform"
         )
+
+
+def check_bce_targets(loss_fn: Any, outputs: Any, targets: Any) -> None:
+    """BCE-with-logits' targets of the outputs' shape but not floats (integer labels): torch's own
+    error speaks of a cast. Targets of another shape are left to the loss, whose error names the
+    shapes: that is the first thing to mend."""
     inner = getattr(loss_fn, "func", loss_fn)  # functools.partial
     bce = isinstance(loss_fn, torch.nn.BCEWithLogitsLoss) or inner is torch.nn.functional.binary_cross_entropy_with_logits
-    if bce and not targets.is_floating_point():
+    if not (bce and isinstance(outputs, torch.Tensor) and isinstance(targets, torch.Tensor)):
+        return
+    if targets.shape == outputs.shape and not targets.is_floating_point():
+        dtype = str(targets.dtype).removeprefix("torch.")
         raise ValueError(
             f"BCEWithLogitsLoss got {dtype} targets: it takes floats (0.0 and 1.0, or probabilities). Return "
             "labels.float() in the dataset, or targets.float() in collate_fn or batch_transform"

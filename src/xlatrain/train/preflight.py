@@ -19,6 +19,7 @@ from xlatrain.train import perf
 from xlatrain.train.batch import tree_flatten, tree_map
 from xlatrain.data.source import BatchSource
 from xlatrain.train.checks import (
+    check_bce_targets,
     check_class_outputs,
     error_hints,
     check_class_targets,
@@ -110,6 +111,7 @@ def _training_batch(trainer: Trainer, train_data: Any) -> tuple[perf.StepProfile
                 outputs = io.call(module, batch)
                 if first and not io.own_loss:
                     check_class_outputs(trainer.loss_fn, io.field(outputs), io.targets_of(host))
+                    check_bce_targets(trainer.loss_fn, io.field(outputs), targets)
                 watch = PairwiseWatch(io.field(outputs), targets) if first and not io.own_loss else None
                 with warnings.catch_warnings(record=True) as caught, watch or contextlib.nullcontext():
                     warnings.simplefilter("always")
