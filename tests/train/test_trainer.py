@@ -345,3 +345,35 @@ def test_a_hand_written_loss_that_broadcasts_outputs_against_targets_is_said_bef
     _trainer(tmp_path / "b", model=nn.Linear(6, 1), loss=lambda o, t: ((o.squeeze(-1) - t) ** 2).mean(), epochs=1,
              batch_size=8, task="none").fit(data)
     assert "by broadcasting" not in caplog.text
+
+
+class _PerClassRecall:
+    """A streaming metric in torchmetrics' shape (update / compute / reset) whose result holds a
+    per-class vector, as average=None gives, and a confusion matrix."""
+
+    def __init__(self, classes=3):
+        self.classes = classes
+        self.reset()
+
+    def reset(self):
+        self.matrix = torch.zeros(self.classes, self.classes)
+
+    def update(self, outputs, targets):
+        for t, p in zip(targets.tolist(), outputs.argmax(-1).tolist()):
+            self.matrix[t, p] += 1
+
+    def compute(self):
+        recall = self.matrix.diag() / self.matrix.sum(1).clamp(min=1)
+        return {"recall": recall, "mean_recall": recall.mean(), "confusion": self.matrix.clone()}
+
+
+def test_a_streaming_metrics_per_class_vector_becomes_columns_and_a_matrix_is_said_left_out(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="xlatrain")
+    metric = _PerClassRecall()
+    trainer = Trainer(_mlp(), nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1), metrics_fn=metric,
+                      config=TrainConfig(epochs=1, batch_size=8, run_dir=str(tmp_path / "s")), backend="cpu")
+    last = trainer.fit(_classification(32), _classification(30, seed=1))[-1]
+    recall = [last[f"val_recall_{i}"] for i in range(3)]
+    assert last["val_mean_recall"] == pytest.approx(sum(recall) / 3)
+    assert not any(k.startswith("val_confusion") for k in last)
+    assert "'confusion' is a tensor of shape (3, 3), which is no history column: left out" in caplog.text

@@ -16,8 +16,11 @@ import torch
 
 from xlatrain.backend.base import Runtime, Strategy
 from xlatrain.data.sampling import EvalSampler
+from xlatrain.logs import get_logger
 from xlatrain.train.batch import tree_flatten, tree_map, tree_unflatten
 from xlatrain.train.losses import EvalLoss
+
+log = get_logger(__name__)
 
 
 def infer_task(loss_fn: Any) -> str:
@@ -267,12 +270,26 @@ def metric_numbers(metrics_fn: Any, found: Mapping[Any, Any]) -> dict[str, float
 
 def _metric_values(metric: Any, found: Any) -> dict[str, float]:
     """A streaming metric's result as history columns: a mapping's numbers by name, a single
-    number under the metric's class name in snake case."""
-    if isinstance(found, Mapping):
-        return {str(k): float(v) for k, v in found.items()
-                if not isinstance(v, torch.Tensor) or v.numel() == 1}
+    number under the metric's class name in snake case. A vector (a per-class figure, as
+    torchmetrics gives with ``average=None``) becomes one column per element, ``name_0``, ...;
+    what is neither (a confusion matrix) is said once and left out."""
     name = "".join(f"_{c.lower()}" if c.isupper() else c for c in type(metric).__name__).lstrip("_")
-    return {name: float(found)}
+    out: dict[str, float] = {}
+    for key, value in (found.items() if isinstance(found, Mapping) else [(name, found)]):
+        key = str(key)
+        if isinstance(value, torch.Tensor) and value.numel() != 1:
+            if value.dim() == 1:
+                out.update({f"{key}_{i}": float(v) for i, v in enumerate(value.tolist())})
+            elif key not in _SAID_LEFT_OUT:
+                _SAID_LEFT_OUT.add(key)
+                log.warning("%s's %r is a tensor of shape %s, which is no history column: left out (give it as "
+                            "one number, or one value per class)", type(metric).__name__, key, tuple(value.shape))
+            continue
+        out[key] = float(value)
+    return out
+
+
+_SAID_LEFT_OUT: set[str] = set()  # streaming results said once per process as left out of the history
 
 
 def trim_rows(batch: Any, rows: int, full: int) -> Any:
