@@ -350,8 +350,9 @@ def first_batch(data: Any, rows: int = 2, collate_fn: Callable[[list[Any]], Any]
     given = [items[i] for i in range(min(rows, len(data)))]
     batch = collate_fn(given)
     if collate_fn is not collate and isinstance(batch, (list, tuple)) and len(batch) == len(given) > 1 \
-            and all(b is g for b, g in zip(batch, given)):
-        # Two items unstacked would pass for an (inputs, targets) pair and fail inside the model.
+            and all(b is g and isinstance(g, (tuple, list)) for b, g in zip(batch, given)):
+        # Two (inputs, targets) items unstacked would pass for a pair and fail inside the model (a
+        # list of bare tensors may be what a model takes: a detector's images).
         raise ValueError(
             f"collate_fn {collate_fn!r} returned the {len(given)} items it was given, one by one, not a batch: it must "
             "stack them, e.g. return torch.utils.data.default_collate(items) after its own changes (or leave "
