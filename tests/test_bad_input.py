@@ -386,6 +386,10 @@ CASES: dict[str, Case] = {
     "cross-entropy targets as int32": Case(
         api(lambda d: trainer(d).fit(TensorDataset(torch.randn(32, 4), torch.randint(0, 3, (32,), dtype=torch.int32)))),
         "ValueError", r"CrossEntropyLoss got class indices as int32", r"\.long\(\)"),
+    "cross-entropy mask targets as uint8": Case(
+        api(lambda d: trainer(d, model=nn.Conv2d(1, 3, 1)).fit(
+            TensorDataset(torch.randn(16, 1, 4, 4), torch.randint(0, 3, (16, 4, 4), dtype=torch.uint8)))),
+        "ValueError", r"CrossEntropyLoss got class indices as uint8 of shape \(2, 4, 4\)", r"mask\.long\(\)"),
     "BCE-with-logits targets as integers": Case(
         api(lambda d: trainer(d, model=nn.Linear(4, 3), loss=nn.BCEWithLogitsLoss()).fit(
             TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32, 3))))),

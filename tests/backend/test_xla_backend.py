@@ -294,7 +294,7 @@ trainer = xlatrain.Trainer(
 )
 g = torch.Generator().manual_seed(0)
 x = torch.randn(64, 8, generator=g)
-history = trainer.fit(TensorDataset(x, (x[:, 0] > 0).long()))
+history = trainer.fit(TensorDataset(x, (x[:, 0] > 0).int()))  # int32 labels: torch_xla takes them
 print("RESULT " + json.dumps([row["train_loss"] for row in history]))
 """
 

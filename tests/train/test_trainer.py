@@ -377,3 +377,14 @@ def test_a_streaming_metrics_per_class_vector_becomes_columns_and_a_matrix_is_sa
     assert last["val_mean_recall"] == pytest.approx(sum(recall) / 3)
     assert not any(k.startswith("val_confusion") for k in last)
     assert "'confusion' is a tensor of shape (3, 3), which is no history column: left out" in caplog.text
+
+
+def test_a_cross_entropy_subclass_that_converts_its_targets_trains_on_int32_labels(tmp_path):
+    # Only torch's own loss refuses int32 class indices; a subclass may convert them, and does here.
+    class CastingCE(nn.CrossEntropyLoss):
+        def forward(self, outputs, targets):
+            return super().forward(outputs, targets.long())
+
+    x, y = _classification(32)[:]
+    history = _trainer(tmp_path, loss=CastingCE(), epochs=1, batch_size=8).fit(TensorDataset(x, y.int()))
+    assert len(history) == 1

@@ -125,25 +125,43 @@ def check_class_targets(loss_fn: Any, targets: Any) -> None:
     if not isinstance(targets, torch.Tensor):
         return
     dtype = str(targets.dtype).removeprefix("torch.")
+    own = _torchs_own(loss_fn, torch.nn.CrossEntropyLoss, torch.nn.functional.cross_entropy)
+    if own and targets.device.type in _DTYPE_CHECKED and targets.dtype == torch.uint8 and targets.dim() > 1:
+        raise ValueError(
+            f"CrossEntropyLoss got class indices as uint8 of shape {tuple(targets.shape)}: per-position targets "
+            "(a mask) must be int64 (torch.long). Return mask.long() in the dataset, or targets.long() in "
+            "collate_fn or batch_transform"
+        )
     if is_cross_entropy(loss_fn) and targets.dtype == torch.bool:
         raise ValueError(
             "CrossEntropyLoss got bool targets: give class indices (targets.long() in the dataset) or class "
             "probabilities (floats of the outputs' shape)"
         )
-    if is_cross_entropy(loss_fn) and not targets.is_floating_point() and targets.dtype not in (torch.int64, torch.uint8):
+    if own and targets.device.type in _DTYPE_CHECKED and not targets.is_floating_point() \
+            and targets.dtype not in (torch.int64, torch.uint8):
         raise ValueError(
             f"CrossEntropyLoss got class indices as {dtype}: it takes them as int64 (torch.long). Return "
             "torch.as_tensor(label).long() in the dataset, or targets.long() in collate_fn or batch_transform"
         )
 
 
+# Devices whose torch kernels refuse these target dtypes (measured on the CPU; CUDA's checks are
+# the same frontend's). torch_xla takes int32 class indices, and TorchTPU is not measured here.
+_DTYPE_CHECKED = ("cpu", "cuda")
+
+
+def _torchs_own(loss_fn: Any, module: type, function: Any) -> bool:
+    """torch's own loss, not a subclass that may convert the targets before calling it."""
+    return type(loss_fn) is module or getattr(loss_fn, "func", loss_fn) is function
+
+
 def check_bce_targets(loss_fn: Any, outputs: Any, targets: Any) -> None:
     """BCE-with-logits' targets of the outputs' shape but not floats (integer labels): torch's own
     error speaks of a cast. Targets of another shape are left to the loss, whose error names the
     shapes: that is the first thing to mend."""
-    inner = getattr(loss_fn, "func", loss_fn)  # functools.partial
-    bce = isinstance(loss_fn, torch.nn.BCEWithLogitsLoss) or inner is torch.nn.functional.binary_cross_entropy_with_logits
-    if not (bce and isinstance(outputs, torch.Tensor) and isinstance(targets, torch.Tensor)):
+    bce = _torchs_own(loss_fn, torch.nn.BCEWithLogitsLoss, torch.nn.functional.binary_cross_entropy_with_logits)
+    if not (bce and isinstance(outputs, torch.Tensor) and isinstance(targets, torch.Tensor)
+            and targets.device.type in _DTYPE_CHECKED):
         return
     if targets.shape == outputs.shape and not targets.is_floating_point():
         dtype = str(targets.dtype).removeprefix("torch.")
