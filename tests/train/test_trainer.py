@@ -262,6 +262,14 @@ def test_metrics_fn_names_are_each_fits_own_and_a_non_mapping_is_refused_before_
         per_class.fit(_classification(32), _classification(10))
     assert not per_class.optimizer.state  # no step was taken
 
+    # None on the dry run's two rows (an AUC of a fold with one class) waits for the whole set.
+    def auc_or_none(outputs, targets):
+        return {"auc": None if len(targets) < 3 else 0.5}
+
+    later = Trainer(_mlp(), nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1), metrics_fn=auc_or_none,
+                    config=TrainConfig(epochs=1, batch_size=8, run_dir=str(tmp_path / "d")), backend="cpu")
+    assert later.fit(_classification(32), _classification(10))[-1]["val_auc"] == 0.5
+
 
 def test_functional_losses_with_a_reduction_argument_evaluate(tmp_path):
     trainer = _trainer(tmp_path, loss=F.cross_entropy, batch_size=8)
@@ -376,7 +384,7 @@ def test_a_streaming_metrics_per_class_vector_becomes_columns_and_a_matrix_is_sa
     recall = [last[f"val_recall_{i}"] for i in range(3)]
     assert last["val_mean_recall"] == pytest.approx(sum(recall) / 3)
     assert not any(k.startswith("val_confusion") for k in last)
-    assert "'confusion' is a tensor of shape (3, 3), which is no history column: left out" in caplog.text
+    assert "'confusion' is a float32 tensor of shape (3, 3), which is no history column: left out" in caplog.text
 
 
 def test_a_cross_entropy_subclass_that_converts_its_targets_trains_on_int32_labels(tmp_path):
@@ -388,3 +396,15 @@ def test_a_cross_entropy_subclass_that_converts_its_targets_trains_on_int32_labe
     x, y = _classification(32)[:]
     history = _trainer(tmp_path, loss=CastingCE(), epochs=1, batch_size=8).fit(TensorDataset(x, y.int()))
     assert len(history) == 1
+
+
+def test_per_class_columns_are_named_by_the_class_ids_a_metric_lists():
+    from xlatrain.train.metrics import _metric_values
+
+    class MeanAveragePrecision:  # torchmetrics' result shape with class_metrics=True
+        pass
+
+    found = {"map": torch.tensor(0.5), "classes": torch.tensor([1, 3, 7], dtype=torch.int32),
+             "map_per_class": torch.tensor([0.1, 0.2, 0.3])}
+    got = _metric_values(MeanAveragePrecision(), found)
+    assert got == pytest.approx({"map": 0.5, "map_per_class_1": 0.1, "map_per_class_3": 0.2, "map_per_class_7": 0.3})

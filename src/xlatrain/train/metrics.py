@@ -270,26 +270,34 @@ def metric_numbers(metrics_fn: Any, found: Mapping[Any, Any]) -> dict[str, float
 
 def _metric_values(metric: Any, found: Any) -> dict[str, float]:
     """A streaming metric's result as history columns: a mapping's numbers by name, a single
-    number under the metric's class name in snake case. A vector (a per-class figure, as
-    torchmetrics gives with ``average=None``) becomes one column per element, ``name_0``, ...;
-    what is neither (a confusion matrix) is said once and left out."""
+    number under the metric's class name in snake case. A float vector (a per-class figure, as
+    torchmetrics gives with ``average=None``) becomes one column per element, named by the class
+    ids where the result lists them under ``classes`` (as ``MeanAveragePrecision`` does), else by
+    position; what is no figure (class ids, a confusion matrix) is said once and left out."""
     name = "".join(f"_{c.lower()}" if c.isupper() else c for c in type(metric).__name__).lstrip("_")
+    items = list(found.items()) if isinstance(found, Mapping) else [(name, found)]
+    classes = dict(items).get("classes")
+    ids = classes.reshape(-1).tolist() if isinstance(classes, torch.Tensor) and not classes.is_floating_point() else None
     out: dict[str, float] = {}
-    for key, value in (found.items() if isinstance(found, Mapping) else [(name, found)]):
+    for key, value in items:
         key = str(key)
+        if key == "classes" and ids is not None:
+            continue  # the class ids: they name the per-class columns
         if isinstance(value, torch.Tensor) and value.numel() != 1:
-            if value.dim() == 1:
-                out.update({f"{key}_{i}": float(v) for i, v in enumerate(value.tolist())})
-            elif key not in _SAID_LEFT_OUT:
-                _SAID_LEFT_OUT.add(key)
-                log.warning("%s's %r is a tensor of shape %s, which is no history column: left out (give it as "
-                            "one number, or one value per class)", type(metric).__name__, key, tuple(value.shape))
+            if value.dim() == 1 and value.numel() and value.is_floating_point():
+                labels = ids if ids is not None and len(ids) == value.numel() else range(value.numel())
+                out.update({f"{key}_{label}": float(v) for label, v in zip(labels, value.tolist())})
+            elif (type(metric).__name__, key) not in _SAID_LEFT_OUT:
+                _SAID_LEFT_OUT.add((type(metric).__name__, key))
+                log.warning("%s's %r is a %s tensor of shape %s, which is no history column: left out (a figure "
+                            "is one number, or a float vector of one per class)", type(metric).__name__, key,
+                            str(value.dtype).removeprefix("torch."), tuple(value.shape))
             continue
         out[key] = float(value)
     return out
 
 
-_SAID_LEFT_OUT: set[str] = set()  # streaming results said once per process as left out of the history
+_SAID_LEFT_OUT: set[tuple[str, str]] = set()  # streaming results said once per process as left out
 
 
 def trim_rows(batch: Any, rows: int, full: int) -> Any:

@@ -264,7 +264,9 @@ class _NamesOf:
             return {}
         if not isinstance(found, Mapping):
             return found  # not a mapping on any rows: evaluation's own error says so now, not after an epoch
-        metric_numbers(self.metrics_fn, found)  # a value that is not one number: said now, not after an epoch
+        # A value that is no number on any rows (a string, several numbers) is said now, not after an
+        # epoch; None may be a figure two rows cannot give (an AUC of one class), left to the set.
+        metric_numbers(self.metrics_fn, {k: v for k, v in found.items() if v is not None})
         self.names = [str(k) for k in found]
         return {}
 
