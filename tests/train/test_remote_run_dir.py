@@ -119,3 +119,22 @@ def test_a_run_whose_lock_another_run_took_over_stops_before_writing_and_leaves_
     assert storage.read_bytes(f"{url}/.xlatrain.lock") == other  # neither renewed over nor removed
     assert [r["epoch"] for r in json.loads(storage.read_bytes(f"{url}/history.json"))] == [1]
     assert sorted({n.split("/")[1] for n in _objects(url) if n.startswith("checkpoints/")}) == ["step-00000004"]
+
+
+def test_a_run_directory_in_a_missing_bucket_is_input_to_change(gcs, tmp_path, monkeypatch):
+    # Refused before anything runs, as a name to change (exit 2 on the command line), not as an
+    # outage (exit 1): the kind of storage failure survives the run directory's verdict.
+    import functools
+
+    import torch
+    from torch import nn
+
+    import xlatrain
+
+    monkeypatch.setenv("XLATRAIN_CACHE_DIR", str(tmp_path / "vm1"))
+    trainer = xlatrain.Trainer(
+        nn.Linear(6, 2), nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1),
+        config=xlatrain.TrainConfig(epochs=1, batch_size=8, run_dir="gs://no-such-bucket/run"), backend="cpu")
+    data = torch.utils.data.TensorDataset(torch.randn(16, 6), torch.randint(0, 2, (16,)))
+    with pytest.raises(storage.StorageInputError, match="no-such-bucket"):
+        trainer.fit(data)

@@ -76,7 +76,7 @@ class RunDirectory:
             self._say(f"{base} holds an earlier run; resume=False starts this one in {self.path}")
         else:
             self.path = base
-        error, note = None, None
+        error, note, kind = None, None, "RunDirError"
         # Cleared once the dry run and the memory check passed: a run refused before its first
         # step leaves the earlier one as it was.
         self._clear_pending = resume == "overwrite"
@@ -90,14 +90,17 @@ class RunDirectory:
                 if self.remote is not None:
                     note = self._remote_open(resume) or note
             except (run_lock.RunDirError, storage.StorageError) as exc:
-                error = str(exc)
+                error, kind = str(exc), type(exc).__name__
                 if self._lock is not None:  # refused on the store: the local copy is free again
                     self._lock.release()
                     self._lock = None
         # Every process learns the main process's verdict: a refused run stops everywhere, at once.
-        error, note = st.gather_objects((error, note))[0] if st.num_processes > 1 else (error, note)
+        error, note, kind = st.gather_objects((error, note, kind))[0] if st.num_processes > 1 else (error, note, kind)
         if error is not None:
-            raise run_lock.RunDirError(error)
+            # The kind travels as a name: a storage outage stays one (exit 1 on the command line),
+            # where a refusal of the directory, or a bucket to name again, is input (exit 2).
+            raise {"StorageError": storage.StorageError, "StorageInputError": storage.StorageInputError}.get(
+                kind, run_lock.RunDirError)(error)
         if note:
             self._say(note)
 
