@@ -207,8 +207,10 @@ class TrainConfig:
         diagnostics: gather why-is-it-slow evidence (recompilations and their causes, device
             reads outside the planned ones, CPU fallbacks, compile and input-wait shares) and
             report it at the end of ``fit`` and in ``RUN_DIR/diagnostics.json``.
-        strict: make a recompilation or an unplanned device read after the warm-up an error, at the
-            end of the epoch it happened in (the first epoch's warm-up steps compile as a clean run does).
+        strict: make waste after the warm-up an error, at the end of the epoch it happened in: in the
+            first epoch, what its findings call waste (a compilation a clean run would not make, device
+            reads on every other training step or more); in later epochs, any compilation or
+            unplanned device read.
         compile: run the model under ``torch.compile`` (CPU, CUDA, TorchTPU; torch_xla compiles
             every step already): the training and evaluation graphs are compiled separately.
         tensorboard: write TensorBoard event files to ``RUN_DIR/tb`` (training loss, learning

@@ -48,7 +48,7 @@ def test_a_device_count_in_the_multiprocess_mode_points_to_the_launch_not_to_a_s
     out = subprocess.run([sys.executable, "-c", MULTIPROCESS_COUNT], capture_output=True, text=True, timeout=180, env=env)
     refused = out.stdout.partition("REFUSED ")[2]
     assert "devices=2 with xla_mode='multiprocess', but this process is one of 1 CPU process(es)" in refused, out.stderr[-3000:]
-    assert "xlatrain.spawn(fn, args)" in refused and "xla_mode='spmd'" in refused
+    assert "use devices=1 or None" in refused and "xlatrain.spawn(fn, args)" in refused and "xla_mode='spmd'" in refused
     assert "CPU_NUM_DEVICES" not in refused and "collectives between processes there hang" in refused
 
 

@@ -244,7 +244,10 @@ def test_a_graph_that_changes_with_a_value_sized_op_is_blamed_on_that_op(tmp_pat
 def test_reads_beside_ops_that_ran_on_the_cpu_are_not_all_put_down_to_item():
     # torch's own backward of linalg_eig reads a scalar each step: counted as .item(), but the
     # user's code has none, so the fix names the fallback too.
-    both = RunDiagnostics._reads_fix(16, {"aten::linalg_eig": 20})
+    both = RunDiagnostics._reads_fix(16, 16, {"aten::linalg_eig": 20})
     assert both.startswith("Each read stops the device") and both.endswith(
         "Some of the reads may be the op(s) that ran on the CPU (aten::linalg_eig), which read their inputs at each call.")
-    assert "ran on the CPU" not in RunDiagnostics._reads_fix(16, {})
+    assert "ran on the CPU" not in RunDiagnostics._reads_fix(16, 16, {})
+    # No .item(), but one fallback call against 16 reads: a print(t) of the user's may be the rest.
+    few = RunDiagnostics._reads_fix(0, 16, {"aten::nonzero": 1})
+    assert few.startswith("Each read stops the device") and "print(t)" in few

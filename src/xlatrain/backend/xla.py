@@ -357,11 +357,12 @@ def _check_count(asked: int | None, found: int, spmd: bool = True) -> None:
     kind = os.environ.get("PJRT_DEVICE", "XLA")
     if not spmd:
         # One process per device: the count is the launch's, which a setting in the process cannot change.
+        launch = ("Start the training function with xlatrain.spawn(fn, args) (one process per device present; "
+                  "the command line does not spawn), or use" if found == 1 else "Use")
         raise ValueError(
             f"devices={asked} with xla_mode='multiprocess', but this process is one of {found} {kind} process(es): "
-            "that mode runs one process per device, so the launch sets the count. Start the training function "
-            "with xlatrain.spawn(fn, args) (one process per device present; the command line does not spawn), or "
-            f"use xla_mode='spmd' (the default), where one process spreads over devices={asked}"
+            f"that mode runs one process per device, so the launch sets the count: use devices={found} or None. "
+            f"{launch} xla_mode='spmd' (the default), where one process spreads over devices={asked}"
             + (". On XLA:CPU use SPMD: torch_xla's collectives between processes there hang" if kind == "CPU" else "")
         )
     raise ValueError(

@@ -546,7 +546,7 @@ class RunDiagnostics:
                     + (f" and {evaluated} evaluation step(s)" if evaluated else ""),
                     f"{unplanned} reads beyond the Trainer's planned ones; "
                     f"{scalar} were .item()/float()/bool() on a device tensor",
-                    self._reads_fix(scalar, fallbacks),
+                    self._reads_fix(scalar, unplanned, fallbacks),
                 ))
             if fallbacks:
                 out.append(Finding(
@@ -575,18 +575,20 @@ class RunDiagnostics:
         return out
 
     @staticmethod
-    def _reads_fix(scalar: int, fallbacks: dict[str, int]) -> str:
+    def _reads_fix(scalar: int, unplanned: int, fallbacks: dict[str, int]) -> str:
         """What to change for unplanned reads: an op that ran on the CPU reads its inputs from the
-        device at each call, which a count of reads cannot tell from the user's own .item()."""
+        device at each call, which a count of reads cannot tell from the user's own reads; they are
+        put down to it only where none was .item() and its calls are as many as the reads."""
         own = ("Each read stops the device until the step finishes. Remove .item(), float(t), print(t) and "
                "`if t ...` from the model and loss; the Trainer already sums the loss on the device and reads it "
                "every log_every steps.")
         if not fallbacks:
             return own
         ops = ", ".join(fallbacks)
-        if not scalar:
-            return (f"None of them was .item(), float() or bool(): the op(s) that ran on the CPU ({ops}) read their "
-                    "inputs from the device at each call. Replace them with ops XLA runs (see that finding).")
+        if not scalar and sum(fallbacks.values()) >= unplanned:
+            return (f"None of them was .item(), float() or bool(), and the op(s) that ran on the CPU ({ops}) read "
+                    "their inputs from the device at each call, as many times: replace them with ops XLA runs "
+                    "(see that finding).")
         return own + f" Some of the reads may be the op(s) that ran on the CPU ({ops}), which read their inputs at each call."
 
     def _fallbacks(self) -> dict[str, int]:
@@ -621,8 +623,10 @@ class RunDiagnostics:
         if self._xla:
             # A finding takes one unplanned read per two steps; fewer are counted here.
             unplanned, steps = self._unplanned_reads()
+            evaluated = sum(e.get("eval_steps", 0) for e in self._epochs)
             checked += ["no unplanned device reads" if unplanned <= 0 else
-                        f"{unplanned} unplanned device read(s) in {steps} steps, under one per two steps",
+                        f"{unplanned} unplanned device read(s) in {steps} training step(s)"
+                        + (f" and {evaluated} evaluation step(s)" if evaluated else "") + ", under one per two training steps",
                         "no CPU fallbacks"]
         else:
             uncounted += ["device reads", "CPU fallbacks"]
