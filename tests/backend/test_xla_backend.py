@@ -24,10 +24,15 @@ print("TIED OK", moved[0].weight.device)
 """
 
 
+def _snippet(code, tmp_path):
+    """``code`` in a fresh process on XLA:CPU (torch_xla starts once per process)."""
+    env = {"PJRT_DEVICE": "CPU", "PATH": "/usr/bin:/bin", "XLATRAIN_CACHE_DIR": str(tmp_path)}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
+
+
 @pytest.mark.xla
 def test_tied_weights_stay_tied_after_moving_to_an_xla_device(tmp_path):
-    env = {"PJRT_DEVICE": "CPU", "PATH": "/usr/bin:/bin", "XLATRAIN_CACHE_DIR": str(tmp_path)}
-    out = subprocess.run([sys.executable, "-c", TIED], capture_output=True, text=True, timeout=180, env=env)
+    out = _snippet(TIED, tmp_path)
     assert "TIED OK xla" in out.stdout, out.stderr[-3000:]
 
 
@@ -44,8 +49,7 @@ except ValueError as exc:
 def test_a_device_count_in_the_multiprocess_mode_points_to_the_launch_not_to_a_setting(tmp_path):
     # One process per device: the count is the launch's, and on XLA:CPU that mode hangs past one
     # device, so the fix is spawn or SPMD, not CPU_NUM_DEVICES.
-    env = {"PJRT_DEVICE": "CPU", "PATH": "/usr/bin:/bin", "XLATRAIN_CACHE_DIR": str(tmp_path)}
-    out = subprocess.run([sys.executable, "-c", MULTIPROCESS_COUNT], capture_output=True, text=True, timeout=180, env=env)
+    out = _snippet(MULTIPROCESS_COUNT, tmp_path)
     refused = out.stdout.partition("REFUSED ")[2]
     assert "devices=2 with xla_mode='multiprocess', but this process is one of 1 CPU process(es)" in refused, out.stderr[-3000:]
     assert "use devices=1 or None" in refused and "xlatrain.spawn(fn, args)" in refused and "xla_mode='spmd'" in refused
