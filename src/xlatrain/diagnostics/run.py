@@ -493,7 +493,8 @@ class RunDiagnostics:
                          "inside the graph. Use fixed-shape forms: torch.where(mask, t, 0) or (t * mask).sum() for "
                          "t[mask].sum(), a mask over padded rows instead of selecting them.")
         if kinds & {"unknown", "between", "constant", "graph"}:
-            fixes.append(("Otherwise, look" if sized else "Look") + " for a Python number or flag in the model, loss, optimizer or scheduler that changes "
+            fixes.append(("Otherwise, look" if sized else "Look") + " for a Python number or flag in the model, loss, "
+                         "optimizer or scheduler that changes "
                          "during training: torch_xla bakes the numbers 0 and 1 into the graph as constants and "
                          "sends other numbers as graph inputs, so a value that reaches or leaves 0 or 1 (a "
                          "schedule's last step, a warm-up factor) compiles a new graph, and so does a Python "
@@ -538,12 +539,8 @@ class RunDiagnostics:
             scalar = sum(e["scalar_reads"] for e in self._epochs)
             fallbacks = self._fallbacks()
             if unplanned >= steps / 2:
-                # Reads are counted per epoch, not per phase: the count is given over the steps of
-                # both, without a per-step rate that would charge evaluation's reads to training.
-                evaluated = sum(e.get("eval_steps", 0) for e in self._epochs)
                 out.append(Finding(
-                    "host-sync-per-step", f"{unplanned} unplanned device read(s) in {steps} training step(s)"
-                    + (f" and {evaluated} evaluation step(s)" if evaluated else ""),
+                    "host-sync-per-step", self._reads_in_steps(unplanned, steps),
                     f"{unplanned} reads beyond the Trainer's planned ones; "
                     f"{scalar} were .item()/float()/bool() on a device tensor",
                     self._reads_fix(scalar, unplanned, fallbacks),
@@ -589,7 +586,8 @@ class RunDiagnostics:
             return (f"None of them was .item(), float() or bool(), and the op(s) that ran on the CPU ({ops}) read "
                     "their inputs from the device at each call, as many times: replace them with ops XLA runs "
                     "(see that finding).")
-        return own + f" Some of the reads may be the op(s) that ran on the CPU ({ops}), which read their inputs at each call."
+        return own + (f" Some of the reads may be the op(s) that ran on the CPU ({ops}), which read their inputs at "
+                      "each call.")
 
     def _fallbacks(self) -> dict[str, int]:
         """The ops that fell back to the CPU over the epochs, with their counts (XLA only)."""
@@ -604,6 +602,13 @@ class RunDiagnostics:
         steps they ran (at least 1)."""
         unplanned = sum(e.get("host_reads", 0) - e.get("planned_reads", 0) for e in self._epochs)
         return unplanned, sum(e["steps"] for e in self._epochs) or 1
+
+    def _reads_in_steps(self, unplanned: int, steps: int) -> str:
+        # Reads are counted per epoch, not per phase: the count is given over the steps of both,
+        # without a per-step rate that would charge evaluation's reads to training.
+        evaluated = sum(e.get("eval_steps", 0) for e in self._epochs)
+        return (f"{unplanned} unplanned device read(s) in {steps} training step(s)"
+                + (f" and {evaluated} evaluation step(s)" if evaluated else ""))
 
     def _input_share(self) -> tuple[float, float, float]:
         """The share of the epochs' training time spent waiting for a batch, the wait and that time."""
@@ -623,10 +628,8 @@ class RunDiagnostics:
         if self._xla:
             # A finding takes one unplanned read per two steps; fewer are counted here.
             unplanned, steps = self._unplanned_reads()
-            evaluated = sum(e.get("eval_steps", 0) for e in self._epochs)
             checked += ["no unplanned device reads" if unplanned <= 0 else
-                        f"{unplanned} unplanned device read(s) in {steps} training step(s)"
-                        + (f" and {evaluated} evaluation step(s)" if evaluated else "") + ", under one per two training steps",
+                        self._reads_in_steps(unplanned, steps) + ", under one per two training steps",
                         "no CPU fallbacks"]
         else:
             uncounted += ["device reads", "CPU fallbacks"]
