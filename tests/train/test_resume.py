@@ -589,6 +589,20 @@ def test_sigterm_then_resume_on_xla_cpu_spmd_matches_an_uninterrupted_run(tmp_pa
     _assert_close(resumed, whole, rel=1e-6)
 
 
+@pytest.mark.xla
+def test_a_stop_during_validation_on_xla_cpu_ends_it_at_a_batch_and_the_resumed_run_validates_the_epoch(tmp_path):
+    """One XLA device: 12 steps an epoch, 20 validation items in batches of 8 (0.2 s an item).
+    The stop is noticed at the next validation batch, the checkpoint is the epoch's last step,
+    and the resumed run validates epoch 1 and trains epoch 2 as a run left alone does."""
+    env, extra = {"PJRT_DEVICE": "CPU"}, ("xla", "1")
+    whole = run_script([sys.executable, RESUMABLE, str(tmp_path / "whole"), "2", "1", "0", *extra], env=env)
+    stop, resumed = _interrupt_and_resume(tmp_path / "cut", (sys.executable,), extra, env,
+                                          ["epoch 1 step 11/12", "VALIDATION ITEM"],
+                                          start_env={"XLATRAIN_TEST_VAL_SLEEP": "0.2"})
+    assert "stopped after epoch 1 step 12;" in stop
+    _assert_close(resumed, whole, rel=1e-6)
+
+
 @pytest.mark.multiprocess
 def test_sigterm_under_torchrun_stops_every_rank_at_one_step_and_resumes_exactly(uninterrupted, tmp_path):
     import shutil
