@@ -331,6 +331,31 @@ def test_the_records_an_epoch_leaves_out_of_full_batches_are_said_for_a_shard_da
            "epoch" in caplog.text
 
 
+def test_the_trainers_num_workers_decides_a_shard_readers_workers_unless_the_reader_says_another(shards, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="xlatrain")
+
+    def fit(num_workers, reader_workers="auto", run="run"):
+        train = ShardDataset(shards, channels=1, labels=["cls"], num_workers=reader_workers)
+        val = ShardDataset(shards, channels=1, labels=["cls"])
+        trainer = Trainer(_TinyNet(), nn.MSELoss(), functools.partial(torch.optim.SGD, lr=1e-3),
+                          config=TrainConfig(epochs=1, batch_size=16, run_dir=str(tmp_path / run), task="none",
+                                             tensorboard=False, num_workers=num_workers), backend="cpu")
+        trainer.fit(train, val)
+        return train, val
+
+    train, val = fit(0)
+    assert "input: 0 decode worker(s) (as configured)" in caplog.text
+    assert train.options.num_workers == val.options.num_workers == 0  # evaluation's reader follows it too
+    assert train._workers is None and val._workers is None  # no worker process was started
+    caplog.clear()
+    train, _ = fit("auto", reader_workers=1, run="own")
+    assert "input: 1 decode worker(s) (as configured)" in caplog.text  # the reader's own number stands
+    train.close()
+    with pytest.raises(ValueError, match=r"num_workers=2 and this ShardDataset's num_workers=1 differ"):
+        fit(2, reader_workers=1, run="both")
+    assert not (tmp_path / "both").exists()  # refused before the run directory was made
+
+
 # --------------------------------------------------------------------------------------------
 # Worker processes, shared batch slots, decoding straight into the batch
 

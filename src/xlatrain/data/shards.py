@@ -385,9 +385,10 @@ class ShardOptions:
             reads local to a few shards; ``None`` is a full uniform shuffle.
         num_workers: worker processes that decode batches (0 decodes in this one, when the
             batches are asked for). Workers decode straight into batch buffers in shared memory
-            and send back only which buffer; the Trainer's ``num_workers`` is the usual value.
-            ``"auto"``: the CPUs this process may use, shared by the training processes on the
-            host, less one (:func:`xlatrain.data.workers.auto_workers`).
+            and send back only which buffer. ``"auto"``: the Trainer's ``num_workers`` where that
+            is a number (a number here that differs from it is refused), else the CPUs this
+            process may use, shared by the training processes on the host, less one
+            (:func:`xlatrain.data.workers.auto_workers`).
         prefetch_batches: batches each worker decodes ahead.
         pin_memory: hand out page-locked batches, so that copies to a CUDA device run
             asynchronously (pass ``True`` when training on CUDA). A thread takes the batches
@@ -1461,6 +1462,19 @@ class ShardDataset:
         if self.options.num_workers != "auto":
             return int(self.options.num_workers), "as configured"
         return auto_workers(batches if batches is not None else max(len(self) // 2, 1))
+
+    def adopt_num_workers(self, num_workers: int | str) -> None:
+        """Decode with the Trainer's ``num_workers`` where this reader's own is ``"auto"`` (one
+        setting for the run's decoding processes); a number of its own that differs is refused."""
+        own = self.options.num_workers
+        if num_workers == "auto" or own == num_workers:
+            return
+        if own != "auto":
+            raise ValueError(
+                f"the Trainer's num_workers={num_workers} and this ShardDataset's num_workers={own} differ: both "
+                "say how many processes decode its batches. Give the number in one place (TrainConfig's serves "
+                "every ShardDataset of the run whose own is 'auto')")
+        self.options = replace(self.options, num_workers=num_workers)
 
     def _source(self, tasks: list[_Task]) -> Iterator[Any]:
         opts = self.options

@@ -306,6 +306,14 @@ class TrainFeed:
         return self._runtime.wrap_loader(host, self._sharding)
 
 
+def follow_num_workers(num_workers: int | str, *datasets: Any) -> None:
+    """Readers that decode in workers of their own (a ``ShardDataset``) take the Trainer's
+    ``num_workers`` where theirs is ``"auto"``, as the DataLoader's workers do."""
+    for dataset in datasets:
+        if (adopt := getattr(dataset, "adopt_num_workers", None)) is not None:
+            adopt(num_workers)
+
+
 def eval_batches(
     config: TrainConfig, runtime: Runtime, strategy: Strategy, dataset: Any,
     collate_fn: Callable[[list[Any]], Any] = collate,
@@ -316,6 +324,7 @@ def eval_batches(
     layout = loader_layout(strategy, config.eval_batch_size or config.batch_size)
     sampler = EvalSampler(len(dataset), **layout)
     if isinstance(dataset, BatchSource):
+        follow_num_workers(config.num_workers, dataset)
         host: Iterable[Any] = dataset.eval_batches(**layout)
     else:
         padded = PaddedDataset(Items(dataset), len(dataset))

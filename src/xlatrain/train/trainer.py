@@ -42,15 +42,9 @@ from xlatrain.tensorboard import TensorBoardLog
 from xlatrain.train import perf, preflight, resumable
 from xlatrain.train.batch import collate, tree_map
 from xlatrain.train.callbacks import Callbacks
-from xlatrain.train.checks import (
-    check_arguments,
-    check_dataset,
-    check_pipeline_arguments,
-    in_step,
-    required_positional,
-)
+from xlatrain.train.checks import check_arguments, check_dataset, check_pipeline_arguments, in_step, required_positional
 from xlatrain.train.ema import EMA_KEY, EMA_WEIGHTS, WeightAverage, recomputed_batch_norm
-from xlatrain.train.feed import TrainFeed, channels_last_choice, eval_batches, to_channels_last
+from xlatrain.train.feed import TrainFeed, channels_last_choice, eval_batches, follow_num_workers, to_channels_last
 from xlatrain.train.losses import EvalLoss
 from xlatrain.train.metrics import EvalAccumulator, RowCollector, as_float, default_monitor, infer_task
 from xlatrain.train.model_io import ForwardSignature, ModelIO, no_grad_message
@@ -467,6 +461,7 @@ class Trainer:
             )
         if val_data is not None:
             check_dataset("val_data", val_data)
+        follow_num_workers(cfg.num_workers, train_data, val_data)  # a shard reader's decode workers
         rt.seed_everything(cfg.seed)
         self._feed = feed = TrainFeed(cfg, rt, st, train_data, sampler=self._sampler, collate_fn=self._collate)
         self._config_record = {
