@@ -311,6 +311,29 @@ def test_keys_a_choice_does_not_use_are_refused():
         _config("digits", "schedule.name=none", "schedule.step_size=null", "schedule.gamma=0.1")
 
 
+def test_a_cosine_stepped_every_optimizer_step_anneals_once_over_the_whole_run(tmp_path):
+    """Per step, a period of ``epochs`` steps rose and fell again every few steps (a sawtooth)."""
+    from xlatrain.recipes.run import build_trainer
+
+    config = _config("depth_mask", "schedule.name=cosine", "trainer.scheduler_interval=step", "trainer.epochs=3",
+                     "trainer.batch_size=4", "trainer.log_every=1", "trainer.tensorboard=false",
+                     f"trainer.run_dir={tmp_path / 'run'}")
+    trainer, parts = build_trainer(config)
+    rates = []  # the rate each optimizer step used
+    trainer.optimizer.register_step_post_hook(lambda opt, *_: rates.append(opt.param_groups[0]["lr"]))
+    trainer.fit(parts.train_data, parts.val_data)
+    assert len(rates) == 6  # 8 samples in batches of 4, 3 epochs
+    assert all(b < a for a, b in zip(rates, rates[1:])), rates  # falling at every step, never rising again
+    assert trainer.scheduler.T_max == 6 and trainer.optimizer.param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_a_step_schedule_stepped_every_optimizer_step_needs_its_step_size():
+    with pytest.raises(ValueError, match=r"default of 1 would halve it at every step: set schedule\.step_size"):
+        _config("digits", "schedule.name=step", "schedule.step_size=null", "schedule.gamma=null",
+                "trainer.scheduler_interval=step")
+    assert _config("digits", "schedule.name=step", "schedule.step_size=100", "trainer.scheduler_interval=step")
+
+
 def test_pe_generation_keys_are_not_silently_reused(tmp_path):
     """A folder generated from other values is an error naming them, never data of another shape."""
     _built("pe_detection", tmp_path, "data.num_studies=6")

@@ -493,15 +493,17 @@ class OptimizerConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ScheduleConfig:
-    """LR schedule, stepped per ``trainer.scheduler_interval``: StepLR or cosine over all epochs, or
+    """LR schedule, stepped per ``trainer.scheduler_interval``: StepLR, a cosine over the whole run, or
     ``warmup_cosine``: a linear warmup over ``warmup_steps`` optimizer steps, then a cosine to
     ``min_lr_ratio`` of the rate at the last step (stepped every optimizer step)."""
 
     name: str = "none"
-    """``none`` (a constant rate), ``step`` (StepLR), ``cosine`` (cosine annealing over all
-    epochs) or ``warmup_cosine`` (needs ``trainer.scheduler_interval: step``)."""
+    """``none`` (a constant rate), ``step`` (StepLR), ``cosine`` (cosine annealing to zero over
+    all epochs, or over all optimizer steps with ``trainer.scheduler_interval: step``) or
+    ``warmup_cosine`` (needs ``trainer.scheduler_interval: step``)."""
     step_size: int | None = None  # step only (default 1)
-    """``step`` only: epochs (or steps) between decays (``None``: 1)."""
+    """``step`` only: epochs (or optimizer steps, with ``trainer.scheduler_interval: step``, where
+    it must be given) between decays (``None``: 1)."""
     gamma: float | None = None  # step only (default 0.5)
     """``step`` only: the factor of each decay (``None``: 0.5)."""
     warmup_steps: int | None = None  # warmup_cosine only (default 0)
@@ -610,6 +612,12 @@ def run_config_from_dict(data: dict[str, Any]) -> RunConfig:
             "schedule.name=warmup_cosine counts optimizer steps: set trainer.scheduler_interval: step "
             f"(it is {sections['trainer'].scheduler_interval!r})"
         )
+    schedule, interval = sections["schedule"], sections["trainer"].scheduler_interval
+    if schedule.name == "step" and interval == "step" and schedule.step_size is None:
+        raise ValueError(
+            "schedule.name=step with trainer.scheduler_interval: step decays the rate every schedule.step_size "
+            "optimizer steps, and its default of 1 would halve it at every step: set schedule.step_size (in optimizer "
+            "steps, e.g. the steps of an epoch), or trainer.scheduler_interval: epoch")
     return RunConfig(recipe=str(data["recipe"]), data=dict(data_section), **sections)
 
 

@@ -95,17 +95,27 @@ def _adamw_groups(params: Any, *, lr: float, weight_decay: float) -> torch.optim
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr)
 
 
-def scheduler_factory(cfg: ScheduleConfig, epochs: int) -> Callable[..., Any] | None:
+def scheduler_factory(cfg: ScheduleConfig, epochs: int, interval: str = "epoch") -> Callable[..., Any] | None:
+    """The schedule ``cfg`` names, stepped every ``interval`` (``trainer.scheduler_interval``):
+    a cosine anneals over the run's epochs, or over its optimizer steps when stepped per step."""
     if cfg.name == "step":
         return functools.partial(
             torch.optim.lr_scheduler.StepLR, step_size=cfg.step_size or 1, gamma=0.5 if cfg.gamma is None else cfg.gamma
         )
     if cfg.name == "cosine":
+        if interval == "step":
+            return _cosine_over_steps
         return functools.partial(torch.optim.lr_scheduler.CosineAnnealingLR, T_max=epochs)
     if cfg.name == "warmup_cosine":
         return functools.partial(_warmup_cosine, warmup_steps=cfg.warmup_steps or 0,
                                  min_lr_ratio=0.1 if cfg.min_lr_ratio is None else cfg.min_lr_ratio)
     return None
+
+
+def _cosine_over_steps(optimizer: torch.optim.Optimizer, run: Any) -> Any:
+    """Cosine annealing to zero at the run's last optimizer step (``run.total_steps``): stepped
+    every step, a period of ``epochs`` would rise and fall again within the run."""
+    return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(run.total_steps, 1))
 
 
 def _warmup_cosine(optimizer: torch.optim.Optimizer, run: Any, *, warmup_steps: int, min_lr_ratio: float) -> Any:
@@ -130,7 +140,7 @@ def build_trainer(config: RunConfig) -> tuple[Trainer, RecipeParts]:
         parts.model,
         parts.loss_fn,
         optimizer_factory(config.optimizer),
-        scheduler_fn=scheduler_factory(config.schedule, config.trainer.epochs),
+        scheduler_fn=scheduler_factory(config.schedule, config.trainer.epochs, config.trainer.scheduler_interval),
         config=config.trainer,
         checkpoint=config.checkpoint,
         backend=config.backend,
