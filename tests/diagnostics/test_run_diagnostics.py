@@ -224,6 +224,9 @@ def test_an_eager_run_that_waits_a_fifth_of_its_training_time_or_more_is_told(wa
     assert (share > INPUT_BOUND_SHARE) is (wait_s == 0.04)
     found = [f for f in diag.findings() if f.code == "input-bound"]
     assert bool(found) is flagged, (share, found)
+    # A clean line that names a share above the bound says it was too short to judge.
+    checked = "; ".join(diag._checked()[0])
+    assert ("too short to judge" in checked) is (share > INPUT_BOUND_SHARE and not flagged), checked
     if flagged:
         assert found[0].title == f"{100 * share:.0f}% of training time waited for input"
 

@@ -634,7 +634,11 @@ class RunDiagnostics:
         else:
             uncounted += ["device reads", "CPU fallbacks"]
         if self._input_wait_is_evidence():  # where it is not, a note says why
-            checked.append(f"input wait {100 * self._input_share()[0]:.1f}% of training time")
+            share, waited, _ = self._input_share()
+            bound = XLA_INPUT_BOUND_SHARE if self._xla else INPUT_BOUND_SHARE
+            short = f" ({waited:.2f} s in all: under the {MIN_INPUT_WAIT_S:g} s a finding needs, too short to judge)" \
+                if share > bound and waited < MIN_INPUT_WAIT_S else ""
+            checked.append(f"input wait {100 * share:.1f}% of training time{short}")
         return checked, uncounted
 
     def _compiles_per_shape(self) -> bool:
