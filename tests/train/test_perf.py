@@ -256,6 +256,9 @@ def test_a_model_that_cannot_fit_a_stated_device_is_refused_before_its_first_ste
     # What fits leaves room for the runtime's temporaries: at most 90% of the device.
     assert all(float(line.rsplit(": ", 1)[1].split()[0]) <= 4.5 for line in fits)
     assert "with precision='bf16' and activation_checkpointing=True" in message  # the changes together
+    # The figures, for a caller that catches the refusal: on the error and on the Trainer.
+    assert refused.value.plan is big.memory_plan and big.memory_plan.total > big.memory_plan.capacity == 5e6
+    assert big.memory_plan.summary(capacity=False) in message
     # Refused before work: no step taken, nothing written, not even the run directory.
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert not (tmp_path / "big").exists()

@@ -42,7 +42,11 @@ Trainer = Any
 
 class DoesNotFitError(ValueError):
     """The run needs more memory per device than the device holds: refused before its first step,
-    with the changes that would fit."""
+    with the changes that would fit. ``plan`` holds the figures (as ``trainer.memory_plan`` does)."""
+
+    def __init__(self, message: str, plan: perf.MemoryPlan | None = None) -> None:
+        super().__init__(message)
+        self.plan = plan
 
 
 def to_device(trainer: Trainer, host_batch: Any) -> Any:
@@ -362,7 +366,8 @@ def plan(trainer: Trainer, train_data: Any, profile: perf.StepProfile, flops: fl
         unit_bytes=max((weight_bytes(u) for u in units), default=0),
         root_bytes=whole - sum(weight_bytes(u) for u in units), grad_accum_steps=cfg.grad_accum_steps,
     )
-    raise DoesNotFitError(memory.refusal())
+    trainer.memory_plan = memory  # a caller that catches the refusal reads the figures
+    raise DoesNotFitError(memory.refusal(), memory)
 
 
 def _measured_step(trainer: Trainer, train_data: Any, module: torch.nn.Module) -> int | None:
