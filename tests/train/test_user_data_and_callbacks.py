@@ -88,6 +88,15 @@ def test_a_sampler_sets_the_order_and_the_steps_and_a_shorter_epoch_is_said_with
     assert "epoch 1 ran" not in out
 
 
+def test_a_later_epoch_of_a_sampler_that_gives_more_is_said_with_the_count_it_gave(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="xlatrain")
+    first, more = list(range(40)), list(range(N)) + list(range(16))  # 5 steps, then 64 indices: 8 steps
+    history = _trainer(tmp_path, sampler=ListSampler([first, more], says=40)).fit(_data())
+    assert [row["train_loss"] for row in history] == pytest.approx(_hand_losses([first, more[:40]], 2), rel=1e-5)
+    assert "epoch 2 ran the 5 step(s) announced from the data's length, but the sampler gave 8 batches: the " \
+           "batches after step 5 were not trained on" in caplog.text
+
+
 def test_an_unseeded_random_sampler_gives_the_same_epochs_again_and_resumes_mid_epoch_exactly(tmp_path):
     # RandomSampler draws from torch's global generator: the Trainer seeds it per epoch, so two
     # runs read the same orders, and a run resumed from a mid-epoch checkpoint ends as the whole run.
@@ -601,6 +610,7 @@ def test_a_batch_source_that_yields_another_count_than_announced_is_said_and_its
         opt.step()
         losses.append(float(loss.detach()))
     assert history[0]["train_loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-5)
-    said = f"epoch 1 ran {ran} step(s), but 6 were announced from the data's length: CountedSource.train_batches " \
-           f"gave {'fewer' if yields < 6 else 'more'} batches"
+    said = "epoch 1 ran 4 step(s), but 6 were announced from the data's length: CountedSource.train_batches gave " \
+           "fewer batches" if yields < 6 else "epoch 1 ran the 6 step(s) announced from the data's length, but " \
+           "CountedSource.train_batches gave more than 6 batches: the batches after step 6 were not trained on"
     assert said in caplog.text

@@ -271,14 +271,16 @@ class TrainFeed:
         if step_done == announced and not extra:
             return announced, None
         source = "the sampler" if user_sampler else f"{type(self.dataset).__name__}.train_batches"
-        return step_done, (
-            f"warning: epoch {epoch} ran {step_done} step(s), but {announced} were announced from the data's "
-            f"length: {source} gave {'more' if extra else 'fewer'} batches. The epoch's train_loss is "
-            f"the mean over the {step_done} that ran"
-            + (f"; the batches after step {announced} were not trained on" if extra else "")
-            + "; a schedule sized by run.total_steps assumed the announced count. Give the data a length that "
-            "matches what it yields"
-        )
+        if extra:  # a user's sampler lists its epoch first: how many it gave is known
+            gave = f"{self.sampler.steps_per_epoch}" if isinstance(self.sampler, UserSampler) else f"more than {announced}"
+            said = (f"epoch {epoch} ran the {announced} step(s) announced from the data's length, but {source} gave "
+                    f"{gave} batches: the batches after step {announced} were not trained on. The epoch's train_loss "
+                    f"is the mean over the {step_done} that ran")
+        else:
+            said = (f"epoch {epoch} ran {step_done} step(s), but {announced} were announced from the data's length: "
+                    f"{source} gave fewer batches. The epoch's train_loss is the mean over the {step_done} that ran")
+        return step_done, (f"warning: {said}; a schedule sized by run.total_steps assumed the announced count. Give "
+                           "the data a length that matches what it yields")
 
     def close(self) -> None:
         """Stop the loader's persistent workers now, not at interpreter exit (where a worker that
