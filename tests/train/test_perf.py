@@ -6,6 +6,7 @@ processes and under SPMD on XLA: tests/train/test_fsdp.py, from the same script'
 import functools
 import gc
 import json
+import logging
 import math
 import warnings
 
@@ -381,3 +382,26 @@ def test_adam_and_sgd_state_is_known_without_a_step_and_equals_a_real_step(setti
     else:
         assert known == real
         assert real[False] > 0 or options == {"momentum": 0.0}
+
+
+@pytest.mark.parametrize("kind", [torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad])
+def test_an_optimizer_with_a_fused_cpu_kernel_is_built_fused_said_and_trains_as_torchs_default(kind, tmp_path, caplog):
+    """Adagrad makes its state as it is built: it was left unfused as if it had stepped."""
+    caplog.set_level(logging.INFO, logger="xlatrain")
+
+    def fit(run, **options):
+        torch.manual_seed(0)
+        trainer = xlatrain.Trainer(
+            nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)), nn.MSELoss(),
+            functools.partial(kind, lr=0.05, **options),
+            config=xlatrain.TrainConfig(epochs=2, batch_size=16, run_dir=str(tmp_path / run), tensorboard=False),
+            backend="cpu")
+        return trainer, trainer.fit(_regression(128, dim=16))
+
+    fused, history = fit("fused")
+    assert fused.optimizer.defaults["fused"] is True and type(fused.optimizer) is kind
+    assert f"optimizer: {kind.__name__} with fused=True" in caplog.text
+    caplog.clear()
+    default, expected = fit("default", fused=False)
+    assert default.optimizer.defaults["fused"] is False and "optimizer:" not in caplog.text  # the factory's choice
+    assert [r["train_loss"] for r in history] == pytest.approx([r["train_loss"] for r in expected], rel=1e-5)
