@@ -118,11 +118,14 @@ class Trainer:
         config: a :class:`~xlatrain.config.TrainConfig`.
         checkpoint: a :class:`~xlatrain.config.CheckpointConfig` (default: at each epoch end).
         backend: a Backend, a BackendConfig, or an accelerator name (``"auto"``, ``"xla"``, ...).
-        accelerator, devices, strategy: where and how to run, as in Lightning, instead of
-            ``backend``: ``strategy="fsdp"`` shards parameters, gradients and optimizer state over
-            the processes (``"auto"``: data parallel over whatever was launched; ``"single"``,
-            ``"ddp"``). :class:`~xlatrain.config.BackendConfig` holds the rest (``units``,
-            ``activation_checkpointing``).
+        accelerator: where to run, as in Lightning, instead of ``backend``: ``"auto"``, ``"tpu"``,
+            ``"xla"``, ``"cuda"``, ``"cpu"``. :class:`~xlatrain.config.BackendConfig` holds the
+            rest (``units``, ``activation_checkpointing``).
+        devices: how many devices, instead of ``backend`` (``None``: all; with ``"xla"`` and no
+            TPU, the number of virtual XLA:CPU devices).
+        strategy: how to spread the work, instead of ``backend``: ``strategy="fsdp"`` shards
+            parameters, gradients and optimizer state over the processes (``"auto"``: data
+            parallel over whatever was launched; ``"single"``, ``"ddp"``).
         init_weights: for a model built on the ``meta`` device (too large to build on the host),
             ``init_weights(model)`` initialises its weights in place once each device holds its
             part; default: every submodule's ``reset_parameters()``.
@@ -134,8 +137,9 @@ class Trainer:
             soft targets); the dry run and the memory plan use it too. Default: stack each field.
         eval_collate_fn: makes one evaluation (and prediction) batch; default ``collate_fn``.
             Padding rows that fill the last batch are masked out of every metric.
-        inputs, targets: key names of the model's inputs and the loss targets in mapping or
-            dataclass batches; see :mod:`xlatrain.train.model_io` for how they are passed.
+        inputs: key name(s) of the model's inputs in mapping or dataclass batches; see
+            :mod:`xlatrain.train.model_io` for how they are passed.
+        targets: key name(s) of the loss targets in mapping or dataclass batches.
         output_field: the field of the model's outputs that metrics, ``metrics_fn`` and
             ``predict`` see (and, with a ``loss_fn``, that the loss gets), e.g. ``"logits"``.
         val_loss_fn: the loss evaluation reports, where it differs from training's (timm trains
@@ -151,8 +155,8 @@ class Trainer:
             targets)`` by default); under XLA it is traced into the step.
         train_batch_transform: the same on training batches only, after ``batch_transform``:
             random augmentation that must not touch evaluation (timm's ``Mixup``).
-        callbacks: objects with any of ``on_fit_start``, ``on_interval``, ``on_epoch_end``,
-            ``on_checkpoint``, ``on_fit_end``; see :mod:`xlatrain.train.callbacks`.
+        callbacks: objects with any of ``on_fit_start``, ``on_epoch_start``, ``on_interval``,
+            ``on_epoch_end``, ``on_checkpoint``, ``on_fit_end``; see :mod:`xlatrain.train.callbacks`.
         run_config: the resolved config of a config-driven run (``xlatrain fit``: sections
             ``model``, ``optimizer``, ``schedule``, ``data``, ``backend``), kept in checkpoints so
             that a resumed run whose model, optimizer, schedule or data differ stops with the
