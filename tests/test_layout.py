@@ -134,3 +134,20 @@ def test_the_training_loop_reads_on_one_screen():
     assert any(isinstance(n, ast.For) for n in ast.walk(epochs) if n is not epochs), "the step loop is not inside the epoch loop"
     for call in ("self._train_step(", "rt.defer(", "resumable.save_checkpoint(", "self._validate(", "self._finish_epoch("):
         assert call in body, call
+
+
+def test_the_layout_page_names_every_module_of_the_package():
+    """docs/guides/layout.md is where a newcomer looks for a file: a module it does not name (or,
+    for a recipe and the script check's rules, whose folder it does not name) cannot be found there."""
+    import re
+
+    page = (SRC.parent / "docs" / "guides" / "layout.md").read_text()
+    words = set(re.findall(r"[\w.]+", page))
+    missing = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "__init__.py":
+            continue
+        nested = path.parent.parent != PACKAGE and path.parent != PACKAGE  # recipes/lm/, doctor/script_check/
+        if path.name not in words and not (nested and (path.stem in words or f"{path.parent.name}/" in page)):
+            missing.append(str(path.relative_to(PACKAGE)))
+    assert not missing, f"docs/guides/layout.md does not name {missing}"
