@@ -466,7 +466,8 @@ class Probe(nn.Module):
         return self.head(self.conv(x).mean(dim=(2, 3)))
 
 
-def test_channels_last_puts_the_model_and_the_image_batches_in_that_memory_order(tmp_path):
+def test_channels_last_puts_the_model_and_the_image_batches_in_that_memory_order(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="xlatrain")
     g = torch.Generator().manual_seed(0)
     images = TensorDataset(torch.randn(32, 3, 8, 8, generator=g), torch.randint(0, CLASSES, (32,), generator=g))
     runs = {}
@@ -478,6 +479,7 @@ def test_channels_last_puts_the_model_and_the_image_batches_in_that_memory_order
         runs[fmt] = trainer.fit(images, images)
         assert model.formats == {fmt}
         assert model.conv.weight.is_contiguous(memory_format=torch.channels_last) == fmt
+        assert f"channels_last {'on' if fmt else 'off'} (as configured)" in caplog.text  # the header says which
     assert runs[True][0]["train_loss"] == pytest.approx(runs[False][0]["train_loss"], rel=1e-5)
 
 
