@@ -405,3 +405,16 @@ def test_an_optimizer_with_a_fused_cpu_kernel_is_built_fused_said_and_trains_as_
     default, expected = fit("default", fused=False)
     assert default.optimizer.defaults["fused"] is False and "optimizer:" not in caplog.text  # the factory's choice
     assert [r["train_loss"] for r in history] == pytest.approx([r["train_loss"] for r in expected], rel=1e-5)
+
+
+def test_fp16_on_the_cpu_says_why_it_has_no_mfu(tmp_path, caplog):
+    """It said the CPU was 'not in xlatrain's table', where the CPU's peak is measured in the run's
+    dtype: float16 is the one dtype it is not measured in."""
+    caplog.set_level(logging.INFO, logger="xlatrain")
+    trainer = xlatrain.Trainer(
+        nn.Linear(8, 4), nn.MSELoss(), functools.partial(torch.optim.SGD, lr=0.01),
+        config=xlatrain.TrainConfig(epochs=1, batch_size=16, precision="fp16", run_dir=str(tmp_path), tensorboard=False),
+        backend="cpu")
+    trainer.fit(_regression(64))
+    assert trainer.throughput.peak_per_device is None
+    assert "no float16 peak FLOP/s known for this device (not measured: a CPU has no fast float16 matmul" in caplog.text

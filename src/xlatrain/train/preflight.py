@@ -322,7 +322,7 @@ def plan(trainer: Trainer, train_data: Any, profile: perf.StepProfile, flops: fl
     peak = rt.peak_flops(compute)
     throughput = perf.Throughput(
         flops_per_sample=flops, flops_source=flops_source, tokens_per_sample=tokens,
-        peak_per_device=peak[0] if peak else None, peak_source=peak[1] if peak else "not in xlatrain's table",
+        peak_per_device=peak[0] if peak else None, peak_source=peak[1] if peak else _no_peak(rt.device.type, compute),
         devices=st.world_size, dtype=str(compute).removeprefix("torch."),
     )
     if trainer.ema is not None and not trainer.ema.pairs():  # the averages: one more copy of the weights
@@ -368,6 +368,13 @@ def plan(trainer: Trainer, train_data: Any, profile: perf.StepProfile, flops: fl
     )
     trainer.memory_plan = memory  # a caller that catches the refusal reads the figures
     raise DoesNotFitError(memory.refusal(), memory)
+
+
+def _no_peak(device_type: str, dtype: torch.dtype) -> str:
+    """Why a device has no peak FLOP/s to hold the run's rate against."""
+    if device_type == "cpu" and dtype == torch.float16:
+        return "not measured: a CPU has no fast float16 matmul, and timing one takes seconds"
+    return "not in xlatrain's table"
 
 
 def _measured_step(trainer: Trainer, train_data: Any, module: torch.nn.Module) -> int | None:
