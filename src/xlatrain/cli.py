@@ -136,6 +136,17 @@ def start_over(args: argparse.Namespace) -> bool | str:
     return False if args.fresh else ("overwrite" if args.overwrite else (getattr(args, "resume", None) or "auto"))
 
 
+def _fraction(text: str) -> float:
+    """An accuracy to reach, 0 to 1: refused before training, not after it, where no run could reach it."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number: give an accuracy from 0 to 1, e.g. 0.95") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"{text} is not an accuracy from 0 to 1 (0.95 is 95%)")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="xlatrain", description=__doc__,
@@ -152,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--accelerator", default="auto", choices=ACCELERATORS)
     demo.add_argument("--devices", type=int, default=None)
     demo.add_argument(
-        "--min-accuracy", type=float, default=0.95, help="exit non-zero below this final val accuracy"
+        "--min-accuracy", type=_fraction, default=0.95, help="exit non-zero below this final val accuracy (0 to 1)"
     )
     add_start_over(demo)
     demo.set_defaults(func=_demo)

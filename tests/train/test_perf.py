@@ -8,6 +8,7 @@ import gc
 import json
 import logging
 import math
+import re
 import warnings
 
 import pytest
@@ -279,6 +280,12 @@ def test_a_device_from_the_table_names_its_memory():
     assert parse_memory("16GiB")[0] == parse_memory("tpu-v5e")[0] and parse_memory("24GB")[0] == 24 * 10**9
     with pytest.raises(ValueError, match=r"device_memory='16 bytes please' is not valid: .*'16GB'.*tpu-v5e"):
         xlatrain.BackendConfig(device_memory="16 bytes please")
+    # A malformed number is named with the forms it takes (it was float()'s own message), and a
+    # device of no memory is refused (it was taken, and every run refused as not fitting).
+    for bad in ("1.5.3GB", "0GB", "0.0MiB"):
+        with pytest.raises(ValueError, match=rf"device_memory='{re.escape(bad)}' is not valid: give bytes \(more than 0\)"):
+            xlatrain.BackendConfig(device_memory=bad)
+    assert parse_memory(".5GB")[0] == 5 * 10**8
 
 
 class _SharedState(torch.optim.Optimizer):

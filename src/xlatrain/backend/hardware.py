@@ -317,12 +317,14 @@ def parse_memory(value: str | int | float) -> tuple[int, str]:
     if key is not None:
         spec = DEVICE_SPECS[key]
         return spec.memory, f"{spec.name} ({spec.source})"
-    found = re.fullmatch(r"([0-9.]+)\s*(gib|gb|mib|mb|tib|tb)", text)
+    found = re.fullmatch(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*(gib|gb|mib|mb|tib|tb)", text)
     if found:
         unit = {"gib": GIB, "gb": GB, "mib": 2**20, "mb": 10**6, "tib": 2**40, "tb": 10**12}[found.group(2)]
-        return int(float(found.group(1)) * unit), f"{value} as stated"
+        size = int(float(found.group(1)) * unit)
+        if size > 0:
+            return size, f"{value} as stated"
     raise ValueError(
-        f"device_memory={value!r} is not valid: give bytes, a size such as '16GB' or '80GiB', or a device: "
+        f"device_memory={value!r} is not valid: give bytes (more than 0), a size such as '16GB' or '80GiB', or a device: "
         f"{', '.join(sorted(DEVICE_SPECS))}"
     )
 

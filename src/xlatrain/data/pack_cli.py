@@ -15,6 +15,16 @@ _DESCRIPTION = ("``xlatrain pack``: an image folder plus a CSV (or WebDataset ta
                 "and a manifest, local or on object storage (gs://).")
 
 
+def _shard_mb(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value * 2**20 >= 1:  # NaN too
+        raise argparse.ArgumentTypeError(f"{text!r} is not a shard size: give megabytes above 0, e.g. 128")
+    return value
+
+
 def add_pack_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``xlatrain pack`` on an ``argparse`` subparsers object; its handler returns an exit code."""
     parser = subparsers.add_parser(
@@ -43,7 +53,7 @@ def add_pack_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--group", metavar="COLUMN", help="group key column for leakage-free splits, e.g. StudyInstanceUID")
     parser.add_argument("--max-side", type=int, help="re-encode images larger than this (longer side, pixels)")
     parser.add_argument("--quality", type=int, default=95, help="JPEG quality when re-encoding (default 95)")
-    parser.add_argument("--shard-mb", type=float, default=128.0, help="target shard size in MB (default 128)")
+    parser.add_argument("--shard-mb", type=_shard_mb, default=128.0, help="target shard size in MB (default 128)")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes (default: all cores)")
     parser.add_argument("--webdataset", metavar="SRC",
                         help="convert WebDataset tar shards (a directory or gs:// prefix of .tar files) instead of a CSV")
