@@ -37,6 +37,15 @@ def test_several_cpu_devices_outside_torchrun_point_to_torchrun(monkeypatch):
         select_backend("cpu", devices=2)
 
 
+def test_ddp_asked_for_in_one_process_says_it_runs_as_one_and_how_to_launch_more(monkeypatch):
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(var, raising=False)
+    be = select_backend("cpu", strategy="ddp")
+    assert be.strategy.name == "ddp" and be.world_size == 1
+    assert be.describe() == ("cpu (CPU), single process (strategy='ddp' in one process: launch with torchrun "
+                             "--nproc-per-node N for DDP)")
+
+
 def test_unknown_xla_mode():
     with pytest.raises(ValueError, match="unknown xla_mode 'threads'"):
         select_backend("cpu", xla_mode="threads")

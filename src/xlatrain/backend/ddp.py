@@ -17,7 +17,8 @@ class DDP(EagerStrategy):
     name = "ddp"
 
     def describe(self) -> str:
-        what = f"DDP over {self.world_size} processes" if self.world_size > 1 else "single process"
+        what = f"DDP over {self.world_size} processes" if self.world_size > 1 else \
+            "single process (strategy='ddp' in one process: launch with torchrun --nproc-per-node N for DDP)"
         return what + self._checkpointing_note()
 
     def prepare_model(
