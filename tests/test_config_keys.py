@@ -327,6 +327,24 @@ def test_a_cosine_stepped_every_optimizer_step_anneals_once_over_the_whole_run(t
     assert trainer.scheduler.T_max == 6 and trainer.optimizer.param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-12)
 
 
+def test_a_warmup_that_covers_the_whole_run_is_said(tmp_path, caplog):
+    import logging
+
+    from xlatrain.recipes.run import build_trainer
+
+    caplog.set_level(logging.INFO, logger="xlatrain")
+    for warmup, run in ((100000, "long"), (2, "short")):
+        config = _config("lm", f"schedule.warmup_steps={warmup}", "trainer.epochs=1", "trainer.tensorboard=false",
+                         f"trainer.run_dir={tmp_path / run}")
+        trainer, parts = build_trainer(config)
+        trainer.fit(parts.train_data, parts.val_data)
+        total = trainer.run_shape.total_steps
+        said = f"schedule.warmup_steps={warmup} covers the whole run ({total} optimizer steps): the rate rises at " \
+               f"every step, to {total / warmup:.0%} of optimizer.lr, and never anneals"
+        assert (said in caplog.text) is (warmup >= total), (warmup, total)
+        caplog.clear()
+
+
 def test_a_step_schedule_stepped_every_optimizer_step_needs_its_step_size():
     with pytest.raises(ValueError, match=r"default of 1 would halve it at every step: set schedule\.step_size"):
         _config("digits", "schedule.name=step", "schedule.step_size=null", "schedule.gamma=null",

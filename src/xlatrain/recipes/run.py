@@ -19,7 +19,10 @@ import torch
 
 from xlatrain.checkpoint import atomic_write_text
 from xlatrain.config import OptimizerConfig, RunConfig, ScheduleConfig, dump_yaml, load_yaml
+from xlatrain.logs import get_logger
 from xlatrain.train.trainer import Trainer
+
+log = get_logger(__name__)
 
 RECIPES = {
     "digits": "xlatrain.recipes.digits",
@@ -147,9 +150,24 @@ def build_trainer(config: RunConfig) -> tuple[Trainer, RecipeParts]:
         label_names=parts.label_names,
         metrics_fn=parts.metrics_fn,
         run_config=dataclasses.asdict(config),
-        callbacks=[_WriteConfig(config)],
+        callbacks=[_WriteConfig(config), _WarmupCheck(config.schedule)],
     )
     return trainer, parts
+
+
+class _WarmupCheck:
+    """Says where a schedule's warm-up covers the whole run: its rate rises at every step and
+    never anneals (a smoke test's few steps under a long run's warm-up)."""
+
+    def __init__(self, schedule: ScheduleConfig) -> None:
+        self.warmup = (schedule.warmup_steps or 0) if schedule.name == "warmup_cosine" else 0
+
+    def on_fit_start(self, trainer: Trainer) -> None:
+        total = trainer.run_shape.total_steps if trainer.run_shape is not None else None
+        if trainer.is_main and total is not None and self.warmup >= total:
+            log.warning(f"warning: schedule.warmup_steps={self.warmup} covers the whole run ({total} optimizer steps): "
+                        f"the rate rises at every step, to {total / self.warmup:.0%} of optimizer.lr, and never "
+                        "anneals. Lower schedule.warmup_steps below the run's steps (a few percent of them is usual)")
 
 
 class _WriteConfig:

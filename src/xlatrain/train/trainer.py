@@ -92,7 +92,8 @@ class RunShape:
     """The length of a run in optimizer steps, after gradient accumulation and devices.
 
     A ``scheduler_fn`` taking two arguments receives it:
-    ``scheduler_fn=lambda opt, run: OneCycleLR(opt, max_lr=0.1, total_steps=run.total_steps)``.
+    ``scheduler_fn=lambda opt, run: OneCycleLR(opt, max_lr=0.1, total_steps=run.total_steps)``;
+    ``trainer.run_shape`` holds it once ``fit`` has begun (a callback's ``on_fit_start`` reads it).
     """
 
     total_steps: int  # optimizer steps over all epochs
@@ -177,10 +178,7 @@ class Trainer:
     """
 
     def __init__(
-        self,
-        model: torch.nn.Module,
-        loss_fn: Callable[[Any, Any], torch.Tensor] | None,
-        optimizer_fn: OptimizerFactory,
+        self, model: torch.nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor] | None, optimizer_fn: OptimizerFactory,
         *,
         scheduler_fn: SchedulerFactory | None = None,
         config: TrainConfig | None = None,
@@ -309,6 +307,7 @@ class Trainer:
         self.epochs_trained = 0  # epochs the last fit call trained (0: it found nothing to train)
         self.memory_plan: perf.MemoryPlan | None = None  # what a device needs: measured by fit before the first step
         self.throughput: perf.Throughput | None = None  # model FLOPs and the device's peak: set by fit
+        self.run_shape: RunShape | None = None  # the run's length in optimizer steps: set by fit
 
     # ----------------------------------------------------------------------------------------
     @property
@@ -475,10 +474,10 @@ class Trainer:
             "run": {"global_batch": self.global_batch_size * cfg.grad_accum_steps, "num_train_samples": len(train_data)},
         }
         self.memory_plan, self.throughput = preflight.prepare(self, train_data, val_data)
+        per_epoch = feed.steps_per_epoch // cfg.grad_accum_steps
+        self.run_shape = RunShape(total_steps=per_epoch * cfg.epochs, steps_per_epoch=per_epoch, epochs=cfg.epochs)
         if self._scheduler_wants_run and self.scheduler is None:
-            per_epoch = feed.steps_per_epoch // cfg.grad_accum_steps
-            shape = RunShape(total_steps=per_epoch * cfg.epochs, steps_per_epoch=per_epoch, epochs=cfg.epochs)
-            self.scheduler = self._scheduler_fn(self.optimizer, shape)
+            self.scheduler = self._scheduler_fn(self.optimizer, self.run_shape)
         self._start_loss_sum, self._resumed_from = None, None
         cursor, sums = resumable.resume(self, resume)
         self.history = cursor.history
