@@ -425,3 +425,25 @@ def test_fp16_on_the_cpu_says_why_it_has_no_mfu(tmp_path, caplog):
     trainer.fit(_regression(64))
     assert trainer.throughput.peak_per_device is None
     assert "no float16 peak FLOP/s known for this device (not measured: a CPU has no fast float16 matmul" in caplog.text
+
+
+@pytest.mark.parametrize("kind", [torch.optim.SGD, torch.optim.Adagrad])
+def test_a_model_with_sparse_embeddings_keeps_torchs_default_step(kind, tmp_path):
+    """No fused kernel takes a sparse gradient: a fused SGD or Adagrad raised at the first step."""
+
+    class Bag(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.head = nn.Embedding(50, 8, sparse=True), nn.Linear(8, 2)
+
+        def forward(self, tokens):
+            return self.head(self.embed(tokens).mean(1))
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randint(0, 50, (64, 5), generator=g), torch.randint(0, 2, (64,), generator=g))
+    torch.manual_seed(0)
+    trainer = xlatrain.Trainer(Bag(), nn.CrossEntropyLoss(), functools.partial(kind, lr=0.1),
+                               config=xlatrain.TrainConfig(epochs=1, batch_size=16, run_dir=str(tmp_path),
+                                                           tensorboard=False), backend="cpu")
+    assert trainer.optimizer.defaults["fused"] is None
+    assert math.isfinite(trainer.fit(data)[0]["train_loss"])

@@ -476,14 +476,17 @@ def restore_implementation(optimizer: torch.optim.Optimizer, chosen: list[dict[s
                 group.pop(key, None)
 
 
-def fused_optimizer(optimizer: torch.optim.Optimizer) -> tuple[torch.optim.Optimizer, str | None]:
+def fused_optimizer(
+    optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None,
+) -> tuple[torch.optim.Optimizer, str | None]:
     """The same optimizer with ``fused=True`` where torch has a fused kernel for its parameters'
     device and the factory chose no implementation (``fused`` and ``foreach`` left unset); else the
     optimizer as it was. Returns what to say in the run's header, or None.
 
     A fused step computes the same update in one kernel per parameter group instead of a few per
     tensor list; rounding may differ in the last bits. Sharded (DTensor) parameters keep the
-    default implementation.
+    default implementation, and so do the weights of ``model``'s sparse embeddings
+    (``nn.Embedding(sparse=True)``): no fused kernel takes a sparse gradient.
     """
     import inspect
 
@@ -506,6 +509,10 @@ def fused_optimizer(optimizer: torch.optim.Optimizer) -> tuple[torch.optim.Optim
         return optimizer, None
     if any(type(p.data) is not torch.Tensor or not p.is_floating_point() for p in params):
         return optimizer, None  # DTensors (FSDP) and the like keep the default
+    sparse = {id(m.weight) for m in (model.modules() if model is not None else ())
+              if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse}
+    if any(id(p) in sparse for p in params):
+        return optimizer, None
     groups = [{**group, "fused": True} for group in optimizer.param_groups]
     try:
         fused = cls(groups, **{k: v for k, v in defaults.items() if k in signature and k != "fused"}, fused=True)

@@ -273,7 +273,7 @@ class Trainer:
                 "the optimizer from the parameters it is given, e.g. functools.partial(torch.optim.AdamW, lr=1e-3)"
             )
         # fp16's gradient scaler unscales before clipping; fused steps with a scaler measured wrong on the CPU.
-        self.optimizer, self._optimizer_note = fused_optimizer(self.optimizer) if cfg.precision != "fp16" \
+        self.optimizer, self._optimizer_note = fused_optimizer(self.optimizer, self.model) if cfg.precision != "fp16" \
             else (self.optimizer, None)
         # The weights' moving average joins the optimizer's state once it has one.
         self.ema = WeightAverage(self.optimizer, cfg.ema_decay, cfg.ema_every, cfg.ema_rule, cfg.ema_warmup_epochs) \
