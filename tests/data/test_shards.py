@@ -334,26 +334,34 @@ def test_the_records_an_epoch_leaves_out_of_full_batches_are_said_for_a_shard_da
 def test_the_trainers_num_workers_decides_a_shard_readers_workers_unless_the_reader_says_another(shards, tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="xlatrain")
 
-    def fit(num_workers, reader_workers="auto", run="run"):
-        train = ShardDataset(shards, channels=1, labels=["cls"], num_workers=reader_workers)
-        val = ShardDataset(shards, channels=1, labels=["cls"])
-        trainer = Trainer(_TinyNet(), nn.MSELoss(), functools.partial(torch.optim.SGD, lr=1e-3),
-                          config=TrainConfig(epochs=1, batch_size=16, run_dir=str(tmp_path / run), task="none",
-                                             tensorboard=False, num_workers=num_workers), backend="cpu")
-        trainer.fit(train, val)
-        return train, val
+    def trainer(num_workers, run):
+        return Trainer(_TinyNet(), nn.MSELoss(), functools.partial(torch.optim.SGD, lr=1e-3),
+                       config=TrainConfig(epochs=1, batch_size=16, run_dir=str(tmp_path / run), task="none",
+                                          tensorboard=False, num_workers=num_workers), backend="cpu")
 
-    train, val = fit(0)
+    train = ShardDataset(shards, channels=1, labels=["cls"])
+    val = ShardDataset(shards, channels=1, labels=["cls"])
+    trainer(0, "zero").fit(train, val)
     assert "input: 0 decode worker(s) (as configured)" in caplog.text
-    assert train.options.num_workers == val.options.num_workers == 0  # evaluation's reader follows it too
-    assert train._workers is None and val._workers is None  # no worker process was started
+    assert train._workers is None and val._workers is None  # no worker process was started, evaluation's neither
     caplog.clear()
-    train, _ = fit("auto", reader_workers=1, run="own")
+    # The same readers in the next run: the reader's own 'auto' stands, and the next Trainer's number decides.
+    assert train.options.num_workers == "auto"
+    trainer(1, "one").fit(train, val)
+    assert "input: 1 decode worker(s) (as configured)" in caplog.text
+    assert len(train._workers._conns) == 1
+    caplog.clear()
+    trainer(0, "eval").evaluate(val)  # before any fit: the dry run reads with the Trainer's 0 too
+    assert val._workers is None
+    train.close(), val.close()
+    own = ShardDataset(shards, channels=1, labels=["cls"], num_workers=1)
+    trainer("auto", "own").fit(own)
     assert "input: 1 decode worker(s) (as configured)" in caplog.text  # the reader's own number stands
-    train.close()
-    with pytest.raises(ValueError, match=r"num_workers=2 and this ShardDataset's num_workers=1 differ"):
-        fit(2, reader_workers=1, run="both")
+    own.close()
+    with pytest.raises(ValueError, match=r"^val_data: the Trainer's num_workers=2 and this ShardDataset's num_workers=1 differ"):
+        trainer(2, "both").fit(train, own)
     assert not (tmp_path / "both").exists()  # refused before the run directory was made
+    assert train._run_workers == 1  # as the run before left it: every reader is checked before any takes the 2
 
 
 # --------------------------------------------------------------------------------------------

@@ -1345,6 +1345,7 @@ class ShardDataset:
         self.image_size: tuple[int, int] = size  # type: ignore[assignment]
         self._reader = _BatchReader(index, self._ids, targets, options, self.image_size)
         self._workers: _Workers | None = None
+        self._run_workers: int | None = None  # the Trainer's num_workers, where this reader's own is "auto"
         self._pinning: _PinThread | None = None
         self._generation = 0
         self._skipped: dict[int, str] = {}
@@ -1461,25 +1462,29 @@ class ShardDataset:
         already started for a longer pass serve a shorter one)."""
         if self.options.num_workers != "auto":
             return int(self.options.num_workers), "as configured"
+        if self._run_workers is not None:
+            return self._run_workers, "as configured"
         return auto_workers(batches if batches is not None else max(len(self) // 2, 1))
 
-    def adopt_num_workers(self, num_workers: int | str) -> None:
-        """Decode with the Trainer's ``num_workers`` where this reader's own is ``"auto"`` (one
-        setting for the run's decoding processes); a number of its own that differs is refused."""
+    def take_num_workers(self, num_workers: int | str, *, check: bool = False) -> None:
+        """The Trainer's ``num_workers`` for the passes of one ``fit``, ``evaluate`` or ``predict``:
+        decoding follows it where this reader's own is ``"auto"`` (one setting for the run's
+        decoding processes; the reader's own setting is kept for the next Trainer). A number of
+        the reader's own that differs is refused; ``check`` only refuses."""
         own = self.options.num_workers
-        if num_workers == "auto" or own == num_workers:
-            return
-        if own != "auto":
+        if num_workers != "auto" and own not in ("auto", num_workers):
             raise ValueError(
                 f"the Trainer's num_workers={num_workers} and this ShardDataset's num_workers={own} differ: both "
                 "say how many processes decode its batches. Give the number in one place (TrainConfig's serves "
                 "every ShardDataset of the run whose own is 'auto')")
-        self.options = replace(self.options, num_workers=num_workers)
+        if not check:
+            self._run_workers = int(num_workers) if num_workers != "auto" and own == "auto" else None
 
     def _source(self, tasks: list[_Task]) -> Iterator[Any]:
         opts = self.options
         num_workers = self.decode_workers(len(tasks))[0]
         if num_workers == 0:
+            self.close()  # workers an earlier pass started: none is asked for now
             return _read_ahead(self._reader, tasks, opts.prefetch_batches)
         slot_bytes = math.prod(self._reader.batch_shape(max(len(t.positions) for t in tasks)))
         workers = self._workers

@@ -308,12 +308,18 @@ class TrainFeed:
         return self._runtime.wrap_loader(host, self._sharding)
 
 
-def follow_num_workers(num_workers: int | str, *datasets: Any) -> None:
+def follow_num_workers(num_workers: int | str, **datasets: Any) -> None:
     """Readers that decode in workers of their own (a ``ShardDataset``) take the Trainer's
-    ``num_workers`` where theirs is ``"auto"``, as the DataLoader's workers do."""
-    for dataset in datasets:
-        if (adopt := getattr(dataset, "adopt_num_workers", None)) is not None:
-            adopt(num_workers)
+    ``num_workers`` where theirs is ``"auto"``, as the DataLoader's workers do: every reader is
+    checked before any takes it, and a refusal names the argument it came in."""
+    readers = {name: data for name, data in datasets.items() if hasattr(data, "take_num_workers")}
+    for name, data in readers.items():
+        try:
+            data.take_num_workers(num_workers, check=True)
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from None
+    for data in readers.values():
+        data.take_num_workers(num_workers)
 
 
 def eval_batches(
@@ -326,7 +332,6 @@ def eval_batches(
     layout = loader_layout(strategy, config.eval_batch_size or config.batch_size)
     sampler = EvalSampler(len(dataset), **layout)
     if isinstance(dataset, BatchSource):
-        follow_num_workers(config.num_workers, dataset)
         host: Iterable[Any] = dataset.eval_batches(**layout)
     else:
         padded = PaddedDataset(Items(dataset), len(dataset))

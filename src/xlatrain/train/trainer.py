@@ -464,7 +464,7 @@ class Trainer:
             )
         if val_data is not None:
             check_dataset("val_data", val_data)
-        follow_num_workers(cfg.num_workers, train_data, val_data)  # a shard reader's decode workers
+        follow_num_workers(cfg.num_workers, train_data=train_data, val_data=val_data)  # a shard reader's decode workers
         rt.seed_everything(cfg.seed)
         self._feed = feed = TrainFeed(cfg, rt, st, train_data, sampler=self._sampler, collate_fn=self._collate)
         self._config_record = {
@@ -680,6 +680,7 @@ class Trainer:
     def evaluate(self, data: Any) -> dict[str, float]:
         """Loss and task metrics over ``data``, every sample counted exactly once."""
         check_dataset("data", data)
+        follow_num_workers(self.config.num_workers, data=data)
         if self._eval_loss is None:
             preflight.dry_run(self, None, data)
         return self._evaluate(data, self.metrics_fn)
@@ -715,6 +716,7 @@ class Trainer:
         field of them (``logits`` by default under the model's own loss).
         """
         check_dataset("data", data)
+        follow_num_workers(self.config.num_workers, data=data)
         batches, layout = eval_batches(self.config, self.runtime, self.strategy, data, self._eval_collate)
         rows = RowCollector(self.runtime, self.strategy, layout)
         self.model.eval()
