@@ -346,10 +346,14 @@ def test_a_warmup_that_covers_the_whole_run_is_said(tmp_path, caplog):
 
 
 def test_a_step_schedule_stepped_every_optimizer_step_needs_its_step_size():
-    with pytest.raises(ValueError, match=r"default of 1 would halve it at every step: set schedule\.step_size"):
+    with pytest.raises(ValueError, match=r"would halve it at every step: set schedule\.step_size .* or schedule\.gamma"):
         _config("digits", "schedule.name=step", "schedule.step_size=null", "schedule.gamma=null",
                 "trainer.scheduler_interval=step")
-    assert _config("digits", "schedule.name=step", "schedule.step_size=100", "trainer.scheduler_interval=step")
+    assert _config("digits", "schedule.name=step", "schedule.step_size=100", "schedule.gamma=null",
+                   "trainer.scheduler_interval=step")
+    # A decay by gamma at every step is a schedule of its own (exponential), not the slip refused.
+    assert _config("digits", "schedule.name=step", "schedule.step_size=null", "schedule.gamma=0.999",
+                   "trainer.scheduler_interval=step")
 
 
 def test_pe_generation_keys_are_not_silently_reused(tmp_path):

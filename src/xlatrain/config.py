@@ -502,8 +502,8 @@ class ScheduleConfig:
     all epochs, or over all optimizer steps with ``trainer.scheduler_interval: step``) or
     ``warmup_cosine`` (needs ``trainer.scheduler_interval: step``)."""
     step_size: int | None = None  # step only (default 1)
-    """``step`` only: epochs (or optimizer steps, with ``trainer.scheduler_interval: step``, where
-    it must be given) between decays (``None``: 1)."""
+    """``step`` only: epochs (or optimizer steps, with ``trainer.scheduler_interval: step``) between
+    decays (``None``: 1; stepped per optimizer step, it or ``gamma`` must be given)."""
     gamma: float | None = None  # step only (default 0.5)
     """``step`` only: the factor of each decay (``None``: 0.5)."""
     warmup_steps: int | None = None  # warmup_cosine only (default 0)
@@ -613,11 +613,12 @@ def run_config_from_dict(data: dict[str, Any]) -> RunConfig:
             f"(it is {sections['trainer'].scheduler_interval!r})"
         )
     schedule, interval = sections["schedule"], sections["trainer"].scheduler_interval
-    if schedule.name == "step" and interval == "step" and schedule.step_size is None:
+    if schedule.name == "step" and interval == "step" and schedule.step_size is None and schedule.gamma is None:
         raise ValueError(
             "schedule.name=step with trainer.scheduler_interval: step decays the rate every schedule.step_size "
-            "optimizer steps, and its default of 1 would halve it at every step: set schedule.step_size (in optimizer "
-            "steps, e.g. the steps of an epoch), or trainer.scheduler_interval: epoch")
+            "optimizer steps, and the defaults (1 step, gamma 0.5) would halve it at every step: set "
+            "schedule.step_size (in optimizer steps, e.g. the steps of an epoch) or schedule.gamma (e.g. 0.999), or "
+            "trainer.scheduler_interval: epoch")
     return RunConfig(recipe=str(data["recipe"]), data=dict(data_section), **sections)
 
 
