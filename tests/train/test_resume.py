@@ -401,6 +401,29 @@ def test_more_epochs_under_a_schedule_sized_for_the_old_length_are_refused_befor
     assert after == before  # nothing trained, nothing written
 
 
+def test_a_schedule_saved_with_another_length_at_the_same_epochs_goes_on_as_saved_and_is_said(tmp_path, caplog):
+    """A per-step cosine an earlier xlatrain built over the epoch count (T_max=2) resumed where one
+    built now spans the run's steps (T_max=20): the checkpoint's goes on, and the header says so."""
+    caplog.set_level(logging.INFO, logger="xlatrain")
+
+    def trainer(t_max, callbacks=()):
+        torch.manual_seed(0)
+        return xlatrain.Trainer(
+            nn.Linear(4, 2), nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1),
+            scheduler_fn=functools.partial(torch.optim.lr_scheduler.CosineAnnealingLR, T_max=t_max),
+            config=xlatrain.TrainConfig(epochs=2, batch_size=4, run_dir=str(tmp_path), tensorboard=False, log_every=1,
+                                        scheduler_interval="step"),
+            checkpoint=xlatrain.CheckpointConfig(every_steps=1), callbacks=list(callbacks), backend="cpu")
+
+    with pytest.raises(SystemExit):
+        trainer(2, [_StopAt(1, 3)]).fit(_tiny_data())
+    resumed = trainer(20)
+    resumed.fit(_tiny_data())
+    assert "the checkpoint's learning-rate schedule holds another length than one built now (CosineAnnealingLR's " \
+           "T_max 2 -> 20); the run goes on with it as saved" in caplog.text
+    assert resumed.scheduler.T_max == 2
+
+
 class _StatusAtCheckpoints:
     def __init__(self):
         self.seen = []

@@ -139,7 +139,7 @@ def check_resumable(trainer: Trainer, path: Path, tensors: dict[str, torch.Tenso
         raise ValueError(f"cannot resume from {path}: the run cannot continue under {'; '.join(refused)}. "
                          f"{_global_batch_hint(trainer, old)}{ways_on}")
     was, now = old.get("trainer", {}).get("epochs"), trainer.config.epochs
-    if was is not None and was != now and trainer.scheduler is not None:
+    if trainer.scheduler is not None:
         _refuse_a_schedule_of_another_length(trainer, path, meta, was, now)
     if continued:
         trainer._say(f"resuming with changed settings: {'; '.join(continued)}")
@@ -188,17 +188,24 @@ def _lengths_that_differ(fresh: Any, saved: Any, where: str = "") -> list[str]:
     return out
 
 
-def _refuse_a_schedule_of_another_length(trainer: Trainer, path: Path, meta: dict[str, Any], was: int, now: int) -> None:
+def _refuse_a_schedule_of_another_length(trainer: Trainer, path: Path, meta: dict[str, Any], was: int | None,
+                                         now: int) -> None:
     """More (or fewer) epochs, and a schedule whose saved settings hold the run's length (they
     differ from a schedule built now): restored, it keeps the old length (a cosine reaches its
     floor at the old last epoch and stays there; OneCycleLR raises at its first step past its end).
     A schedule of its own pace (StepLR with a fixed step) goes on; one whose length lives in a
     function (LambdaLR) follows the new length from the step reached, as its function is the one
-    built now."""
+    built now. With the epochs unchanged, a saved length that differs (a schedule an earlier
+    xlatrain built otherwise) goes on as saved, and is said."""
     # Through JSON, as the checkpoint holds it (a tuple reads back as a list).
     fresh = json.loads(json.dumps(as_numbers(trainer.scheduler.state_dict()), default=str))
     differ = _lengths_that_differ(fresh, meta.get("scheduler") or {})
     if not differ:
+        return
+    if was is None or was == now:
+        trainer._say(f"note: the checkpoint's learning-rate schedule holds another length than one built now "
+                     f"({type(trainer.scheduler).__name__}'s {', '.join(differ[:3])}); the run goes on with it as "
+                     "saved (--fresh, or resume=False, starts a run with the schedule built now)")
         return
     best = trainer.run_dir / "best.safetensors"
     weights = f"{best}" if best.is_file() else f"the weights `xlatrain export {trainer.run_dir}` writes"
