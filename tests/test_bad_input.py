@@ -455,7 +455,7 @@ CASES: dict[str, Case] = {
     "pack without where": Case(lambda d: cli("pack", "--csv", "a.csv", "--images", ".", "--out", str(d)), 2,
                                r"say where each image is", r"--path-columns"),
     "pack shard size 0": Case(lambda d: cli("pack", "--csv", "a.csv", "--images", ".", "--out", str(d), "--shard-mb", "0"),
-                              2, r"argument --shard-mb: '0' is not a shard size", r"megabytes above 0"),
+                              2, r"argument --shard-mb: '0' is not a shard size", r"at least one byte's worth"),
     "demo unreachable accuracy": Case(lambda d: cli("demo", "--run-dir", str(d), "--min-accuracy", "2"), 2,
                                       r"argument --min-accuracy: 2 is not an accuracy from 0 to 1", r"0\.95 is 95%"),
     "pack verify missing dir": Case(lambda d: cli("pack", "--verify", str(d / "none")), 2, r"none", r"shard directory"),

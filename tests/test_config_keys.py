@@ -340,8 +340,10 @@ def test_a_warmup_that_covers_the_whole_run_is_said(tmp_path, caplog):
         trainer.fit(parts.train_data, parts.val_data)
         total = trainer.run_shape.total_steps
         said = f"schedule.warmup_steps={warmup} covers the whole run ({total} optimizer steps): the rate rises at " \
-               f"every step, to {total / warmup:.0%} of optimizer.lr, and never anneals"
+               f"every step, to {100 * total / warmup:.3g}% of optimizer.lr, and never anneals"
         assert (said in caplog.text) is (warmup >= total), (warmup, total)
+        if warmup >= total:  # a share that reads as one, not "0%"
+            assert re.search(r"to 0\.0\d+% of optimizer\.lr", caplog.text), caplog.text
         caplog.clear()
 
 

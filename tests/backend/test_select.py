@@ -44,6 +44,8 @@ def test_ddp_asked_for_in_one_process_says_it_runs_as_one_and_how_to_launch_more
     assert be.strategy.name == "ddp" and be.world_size == 1
     assert be.describe() == ("cpu (CPU), single process (strategy='ddp' in one process: launch with torchrun "
                              "--nproc-per-node N for DDP)")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")  # torchrun --nproc-per-node 1: it was launched
+    assert be.describe() == "cpu (CPU), single process (strategy='ddp' over the one process torchrun launched)"
 
 
 def test_unknown_xla_mode():

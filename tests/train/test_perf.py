@@ -282,8 +282,8 @@ def test_a_device_from_the_table_names_its_memory():
         xlatrain.BackendConfig(device_memory="16 bytes please")
     # A malformed number is named with the forms it takes (it was float()'s own message), and a
     # device of no memory is refused (it was taken, and every run refused as not fitting).
-    for bad in ("1.5.3GB", "0GB", "0.0MiB"):
-        with pytest.raises(ValueError, match=rf"device_memory='{re.escape(bad)}' is not valid: give bytes \(more than 0\)"):
+    for bad in ("1.5.3GB", "0GB", "0.0MiB", 0.5):
+        with pytest.raises(ValueError, match=rf"device_memory={re.escape(repr(bad))} is not valid: give bytes \(more than 0\)"):
             xlatrain.BackendConfig(device_memory=bad)
     assert parse_memory(".5GB")[0] == 5 * 10**8
 
@@ -447,3 +447,28 @@ def test_a_model_with_sparse_embeddings_keeps_torchs_default_step(kind, tmp_path
                                                            tensorboard=False), backend="cpu")
     assert trainer.optimizer.defaults["fused"] is None
     assert math.isfinite(trainer.fit(data)[0]["train_loss"])
+
+
+def test_a_sparse_gradient_the_model_makes_itself_under_a_fused_step_names_the_fix(tmp_path):
+    """A functional sparse embedding is no module the Trainer can see before the first backward."""
+
+    class Functional(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table, self.head = nn.Parameter(torch.randn(50, 8)), nn.Linear(8, 2)
+
+        def forward(self, tokens):
+            return self.head(nn.functional.embedding(tokens, self.table, sparse=True).mean(1))
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randint(0, 50, (64, 5), generator=g), torch.randint(0, 2, (64,), generator=g))
+
+    def trainer(**options):
+        return xlatrain.Trainer(Functional(), nn.CrossEntropyLoss(), functools.partial(torch.optim.Adagrad, lr=0.1, **options),
+                                config=xlatrain.TrainConfig(epochs=1, batch_size=16, run_dir=str(tmp_path / str(options)),
+                                                            tensorboard=False), backend="cpu")
+
+    with pytest.raises(RuntimeError) as raised:
+        trainer().fit(data)
+    assert any("pass fused=False in the optimizer factory" in note for note in raised.value.__notes__)
+    assert math.isfinite(trainer(fused=False).fit(data)[0]["train_loss"])  # the fix named

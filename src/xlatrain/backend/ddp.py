@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -17,8 +18,12 @@ class DDP(EagerStrategy):
     name = "ddp"
 
     def describe(self) -> str:
-        what = f"DDP over {self.world_size} processes" if self.world_size > 1 else \
-            "single process (strategy='ddp' in one process: launch with torchrun --nproc-per-node N for DDP)"
+        if self.world_size > 1:
+            what = f"DDP over {self.world_size} processes"
+        elif "TORCHELASTIC_RUN_ID" in os.environ:
+            what = "single process (strategy='ddp' over the one process torchrun launched)"
+        else:
+            what = "single process (strategy='ddp' in one process: launch with torchrun --nproc-per-node N for DDP)"
         return what + self._checkpointing_note()
 
     def prepare_model(

@@ -310,7 +310,7 @@ def parse_memory(value: str | int | float) -> tuple[int, str]:
     """
     import re
 
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 1:  # whole bytes
         return int(value), f"{int(value):,} bytes as stated"
     text = str(value).strip().lower()
     key = text if text in DEVICE_SPECS else f"tpu-{text}" if f"tpu-{text}" in DEVICE_SPECS else None

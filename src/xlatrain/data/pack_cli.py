@@ -21,7 +21,8 @@ def _shard_mb(text: str) -> float:
     except ValueError:
         value = float("nan")
     if not value * 2**20 >= 1:  # NaN too
-        raise argparse.ArgumentTypeError(f"{text!r} is not a shard size: give megabytes above 0, e.g. 128")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a shard size: give megabytes, at least one byte's "
+                                         "worth (0.000001), e.g. 128")
     return value
 
 

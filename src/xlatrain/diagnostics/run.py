@@ -553,8 +553,7 @@ class RunDiagnostics:
                     "Replace them (e.g. with an equivalent supported op) or move them out of the step.",
                 ))
         share, waited, trained = self._input_share()
-        bound = XLA_INPUT_BOUND_SHARE if self._xla else INPUT_BOUND_SHARE
-        if self._input_wait_is_evidence() and share > bound and waited >= MIN_INPUT_WAIT_S:
+        if self._input_wait_is_evidence() and self._over_bound(share) and waited >= MIN_INPUT_WAIT_S:
             out.append(Finding(
                 "input-bound", f"{100 * share:.0f}% of training time waited for input",
                 f"{waited:.1f} s waiting for the next batch in {trained:.1f} s of training steps",
@@ -616,6 +615,11 @@ class RunDiagnostics:
         trained = sum(e["train_s"] for e in self._epochs)
         return (min(1.0, waited / trained) if trained > 0 else 0.0), waited, trained
 
+    def _over_bound(self, share: float) -> bool:
+        """Whether a share of training time spent waiting for input is more than this runtime's
+        bound for a finding (an XLA accelerator's wait also holds the step's launch)."""
+        return share > (XLA_INPUT_BOUND_SHARE if self._xla else INPUT_BOUND_SHARE)
+
     def _checked(self) -> tuple[list[str], list[str]]:
         """What a clean report can say was looked at on this runtime, and what it could not count."""
         checked, uncounted = [], []
@@ -635,9 +639,8 @@ class RunDiagnostics:
             uncounted += ["device reads", "CPU fallbacks"]
         if self._input_wait_is_evidence():  # where it is not, a note says why
             share, waited, _ = self._input_share()
-            bound = XLA_INPUT_BOUND_SHARE if self._xla else INPUT_BOUND_SHARE
             short = f" ({waited:.2f} s in all: under the {MIN_INPUT_WAIT_S:g} s a finding needs, too short to judge)" \
-                if share > bound and waited < MIN_INPUT_WAIT_S else ""
+                if self._over_bound(share) and waited < MIN_INPUT_WAIT_S else ""
             checked.append(f"input wait {100 * share:.1f}% of training time{short}")
         return checked, uncounted
 

@@ -166,7 +166,7 @@ class _WarmupCheck:
         total = trainer.run_shape.total_steps if trainer.run_shape is not None else None
         if trainer.is_main and total is not None and self.warmup >= total:
             log.warning(f"warning: schedule.warmup_steps={self.warmup} covers the whole run ({total} optimizer steps): "
-                        f"the rate rises at every step, to {total / self.warmup:.0%} of optimizer.lr, and never "
+                        f"the rate rises at every step, to {100 * total / self.warmup:.3g}% of optimizer.lr, and never "
                         "anneals. Lower schedule.warmup_steps below the run's steps (a few percent of them is usual)")
 
 
