@@ -408,3 +408,33 @@ def test_per_class_columns_are_named_by_the_class_ids_a_metric_lists():
              "map_per_class": torch.tensor([0.1, 0.2, 0.3])}
     got = _metric_values(MeanAveragePrecision(), found)
     assert got == pytest.approx({"map": 0.5, "map_per_class_1": 0.1, "map_per_class_3": 0.2, "map_per_class_7": 0.3})
+
+
+@pytest.mark.parametrize("per_step", [True, False], ids=["run-length-per-step", "epoch-cosine"])
+def test_a_second_fit_on_one_trainer_starts_its_schedule_anew(tmp_path, per_step):
+    """The finished schedule was reused: OneCycleLR raised past its end once the earlier run's
+    files were removed, and a cosine started the new run at its floor (rates 0, 0.025, 0.075)."""
+    if per_step:
+        schedule = lambda opt, run: torch.optim.lr_scheduler.OneCycleLR(opt, 0.1, total_steps=run.total_steps)  # noqa: E731
+    else:
+        schedule = functools.partial(torch.optim.lr_scheduler.CosineAnnealingLR, T_max=3)
+    trainer = Trainer(_mlp(), nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1), scheduler_fn=schedule,
+                      config=TrainConfig(epochs=3, batch_size=8, run_dir=str(tmp_path), tensorboard=False,
+                                         scheduler_interval="step" if per_step else "epoch"), backend="cpu")
+    first = [row["lr"] for row in trainer.fit(_classification(16))]
+    again = [row["lr"] for row in trainer.fit(_classification(16), resume="overwrite")]
+    assert again == first and len(set(first)) == 3
+
+
+def test_predict_on_bare_inputs_runs_the_batch_transform_as_on_pairs(tmp_path):
+    """A bare-input batch skipped batch_transform (normalisation on the device): predictions were
+    made on raw inputs, unsaid."""
+    x = torch.randn(10, 6)
+    mean = x.mean(0)
+    trainer = Trainer(_mlp(), nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1),
+                      batch_transform=lambda b: ((b[0] - mean) * 10, b[1]),
+                      config=TrainConfig(batch_size=4, run_dir=str(tmp_path)), backend="cpu")
+    with torch.no_grad():
+        expected = trainer.model((x - mean) * 10)
+    assert torch.allclose(trainer.predict(x), expected, atol=1e-6)
+    assert torch.allclose(trainer.predict(list(zip(x, torch.zeros(10, dtype=torch.long)))), expected, atol=1e-6)

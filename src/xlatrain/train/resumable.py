@@ -145,6 +145,22 @@ def check_resumable(trainer: Trainer, path: Path, tensors: dict[str, torch.Tenso
         trainer._say(f"resuming with changed settings: {'; '.join(continued)}")
 
 
+def build_schedule(trainer: Trainer) -> None:
+    """The fit's learning-rate schedule: one that needs the run's length is built for this fit's;
+    a fit after another on the same Trainer starts its schedule anew, from the rates the schedule
+    began with (a checkpoint resumed from then loads its state over it)."""
+    make, wants_run, old = trainer._scheduler_fn, trainer._scheduler_wants_run, trainer.scheduler
+    if make is None or not (wants_run or getattr(old, "last_epoch", 0) > 0):
+        return
+    for group in trainer.optimizer.param_groups:  # a cosine's next rate is made from the current one
+        if "initial_lr" in group:
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(float(group["initial_lr"]))
+            else:
+                group["lr"] = group["initial_lr"]
+    trainer.scheduler = make(trainer.optimizer, trainer.run_shape) if wants_run else make(trainer.optimizer)
+
+
 def _global_batch_hint(trainer: Trainer, old: dict[str, Any]) -> str:
     """The batch size that keeps a checkpoint's global batch on this run's devices, where it changed:
     run.global_batch is made, not set. Accumulation cannot change, so the hint keeps the saved one."""

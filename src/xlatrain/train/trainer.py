@@ -286,8 +286,7 @@ class Trainer:
                 f"learning rate scaled x{st.world_size} by device count (scale_lr=True): "
                 f"{before[0]:g} -> {self.optimizer.param_groups[0]['lr']:g}"
             )
-        # Built after any scaling, so the schedule starts from the scaled rate; one that needs the
-        # run's length is built by fit, once the training data is known.
+        # Built after any scaling (it starts from the scaled rate); one that needs the run's length, by fit.
         self._scheduler_fn = scheduler_fn
         self._scheduler_wants_run = scheduler_fn is not None and required_positional(scheduler_fn) >= 2
         self.scheduler = scheduler_fn(self.optimizer) if scheduler_fn is not None and not self._scheduler_wants_run else None
@@ -450,7 +449,7 @@ class Trainer:
 
     def _start(self, train_data: Any, val_data: Any | None, resume: bool | str) -> tuple[TrainFeed, Cursor, dict[str, torch.Tensor]]:
         """Everything before the first step: the data checked, a dry run, the memory plan, the
-        schedule, the checkpoint resumed from, and the run's header."""
+        schedule (anew for a fit after another), the checkpoint resumed from, and the run's header."""
         cfg, rt, st = self.config, self.runtime, self.strategy
         self.epochs_trained = 0
         self._stop_reason = None
@@ -476,8 +475,7 @@ class Trainer:
         self.memory_plan, self.throughput = preflight.prepare(self, train_data, val_data)
         per_epoch = feed.steps_per_epoch // cfg.grad_accum_steps
         self.run_shape = RunShape(total_steps=per_epoch * cfg.epochs, steps_per_epoch=per_epoch, epochs=cfg.epochs)
-        if self._scheduler_wants_run and self.scheduler is None:
-            self.scheduler = self._scheduler_fn(self.optimizer, self.run_shape)
+        resumable.build_schedule(self)
         self._start_loss_sum, self._resumed_from = None, None
         cursor, sums = resumable.resume(self, resume)
         self.history = cursor.history
@@ -796,13 +794,14 @@ class Trainer:
         cursor.step = step
 
     def _on_device(self, batch: Any, *, training: bool) -> Any:
-        """A batch on the device as the model gets it: images in channels-last memory order
-        (``channels_last``), then the user's ``batch_transform`` (and, for training,
-        ``train_batch_transform``). A transform that returns nothing is named as the culprit."""
+        """A batch on the device as the model gets it: channels-last images (``channels_last``), then
+        ``batch_transform`` (and in training ``train_batch_transform``), which see bare inputs to
+        ``predict`` as ``(inputs, None)``. A transform that returns nothing is named as the culprit."""
         if self.channels_last:
             batch = tree_map(to_channels_last, batch)
         pairs = not self.io.own_loss and self.io.layout is not None and not self.io.layout.keyed
-        maker = ("collate_fn", self._collate if training else self._eval_collate)
+        bare = pairs and not training and not _is_pair(batch) and self._batch_transform is not None
+        batch, maker = (batch, None) if bare else batch, ("collate_fn", self._collate if training else self._eval_collate)
         for name, transform in (("batch_transform", self._batch_transform),
                                 ("train_batch_transform", self._train_batch_transform if training else None)):
             if transform is not None:
@@ -818,7 +817,7 @@ class Trainer:
                 f"{maker[0]} {maker[1]!r} made a {type(batch).__name__}, not an (inputs, targets) pair: return both "
                 "(e.g. return inputs, targets), or give the Trainer inputs=/targets= names for a mapping"
             )
-        return batch
+        return batch[0] if bare else batch
 
     def _new_sums(self) -> dict[str, torch.Tensor]:
         # Every running sum exists from the first step, the loss's terms included, so each step
