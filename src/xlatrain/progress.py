@@ -81,23 +81,33 @@ class IntervalMeter:
     """
 
     def __init__(self, start_step: int, *, samples_per_step: int, start_loss_sum: float | None = None,
-                 warm_until: int | None = None) -> None:
+                 warm_until: int | None = None, skipped_out: bool = False) -> None:
         self._samples_per_step = samples_per_step
         self._last_step = start_step
         self._last_sum = 0.0 if start_step == 0 else start_loss_sum
         self._last_time = time.perf_counter()
         self._warm_until = start_step if warm_until is None else warm_until
+        # nan_policy='skip_step': a skipped step adds nothing to the loss sum, and means are over
+        # the steps that counted (as the epoch's train_loss is).
+        self._skipped_out = skipped_out
+        self._last_bad = 0.0 if start_step == 0 else None  # resumed: the skips before are not known here
 
     def measure(self, step: int, *, loss_sum: float, nonfinite: float) -> IntervalStats:
-        """The interval ending at ``step``: ``loss_sum`` over the epoch's steps 1..``step``. An
-        interval that holds a warm-up step (compilation, first allocations) has no rate."""
+        """The interval ending at ``step``: ``loss_sum`` over the epoch's steps 1..``step``, of which
+        ``nonfinite`` were non-finite. An interval that holds a warm-up step (compilation, first
+        allocations) has no rate."""
         now = time.perf_counter()
         done = step - self._last_step
+
+        def counted(steps: float, bad: float) -> float:
+            return max(steps - (bad if self._skipped_out else 0.0), 1.0)
+
         rate = done * self._samples_per_step / max(now - self._last_time, 1e-9) if self._last_step >= self._warm_until \
             else None
-        epoch_loss = loss_sum / step
-        interval_loss = (loss_sum - self._last_sum) / done if self._last_sum is not None and done > 0 else epoch_loss
-        self._last_step, self._last_sum, self._last_time = step, loss_sum, now
+        epoch_loss = loss_sum / counted(step, nonfinite)
+        interval_loss = (loss_sum - self._last_sum) / counted(done, nonfinite - (self._last_bad or 0.0)) \
+            if self._last_sum is not None and done > 0 else epoch_loss
+        self._last_step, self._last_sum, self._last_time, self._last_bad = step, loss_sum, now, nonfinite
         return IntervalStats(step, epoch_loss, interval_loss, rate, int(nonfinite))
 
 

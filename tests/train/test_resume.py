@@ -269,10 +269,24 @@ def test_nan_policy_stop_names_the_steps_and_keeps_the_last_good_checkpoint(tmp_
 
 
 def test_nan_policy_skip_step_leaves_weights_finite_and_counts_the_loss_out(tmp_path):
-    trainer = _tiny_trainer(tmp_path, NanAtStep(5), batch_size=5, nan_policy="skip_step")
+    heard = []
+
+    class Intervals:
+        def on_interval(self, trainer, values):
+            heard.append(values)
+
+    trainer = _tiny_trainer(tmp_path, NanAtStep(5), batch_size=5, nan_policy="skip_step", log_every=4,
+                            callbacks=[Intervals()])
     history = trainer.fit(_tiny_data())
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
     assert math.isfinite(history[0]["train_loss"])  # the mean over the good steps
+    # The progress line, TensorBoard and callbacks take their means over the same steps (the
+    # skipped step's loss counted as 0 over all 8 steps read 7/8 of it, and 3/4 in its interval).
+    first, last = heard[0], heard[-1]
+    assert (first["step"], last["step"], last["nonfinite_steps"]) == (4, 8, 1)
+    assert last["epoch_loss"] == pytest.approx(history[0]["train_loss"], rel=1e-6)
+    # Steps 5-8 hold 3 that counted: (the loss sum over 7 counted steps - the sum over the first 4) / 3.
+    assert last["loss"] == pytest.approx((7 * last["epoch_loss"] - 4 * first["epoch_loss"]) / 3, rel=1e-5)
 
 
 def test_nan_policy_ignore_trains_on_and_reports_nan(tmp_path):

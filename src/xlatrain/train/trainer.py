@@ -559,7 +559,7 @@ class Trainer:
         obs = self._observers
         clock = WarmupClock(start_step, min(warm, max(feed.steps_per_epoch - start_step - 1, 0)), time.perf_counter())
         meter = IntervalMeter(start_step, samples_per_step=self.global_batch_size, start_loss_sum=self._start_loss_sum,
-                              warm_until=clock.mark_step)
+                              warm_until=clock.mark_step, skipped_out=self.config.nan_policy == "skip_step")
         self._start_loss_sum = None  # later epochs start from zero
         return SimpleNamespace(
             batches=obs.batches(feed.batches(epoch, start_step), "train", epoch, start_step + 1), meter=meter,
