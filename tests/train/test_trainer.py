@@ -438,3 +438,21 @@ def test_predict_on_bare_inputs_runs_the_batch_transform_as_on_pairs(tmp_path):
         expected = trainer.model((x - mean) * 10)
     assert torch.allclose(trainer.predict(x), expected, atol=1e-6)
     assert torch.allclose(trainer.predict(list(zip(x, torch.zeros(10, dtype=torch.long)))), expected, atol=1e-6)
+
+
+def test_early_stopping_counts_patience_from_the_first_epoch_its_monitor_judged(tmp_path, caplog):
+    """A monitor that is NaN (an AUC over a fold whose labels have one class) judges nothing: the run
+    stopped after epoch 1 saying 'best nan in epoch None'."""
+    caplog.set_level(logging.INFO, logger="xlatrain")
+    values = iter([float("nan"), float("nan"), 0.5, 0.4, 0.3])
+
+    def score(outputs, targets):  # by epoch, over the whole validation set (the dry run reads 2 rows)
+        return {"score": next(values) if len(targets) == 8 else 0.0}
+
+    trainer = Trainer(_mlp(), nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1), metrics_fn=score,
+                      config=TrainConfig(epochs=5, batch_size=4, early_stop_patience=1, monitor="val_score",
+                                         monitor_mode="max", run_dir=str(tmp_path), log_every=1000), backend="cpu")
+    history = trainer.fit(_classification(16), _classification(8, seed=1))
+    assert [row["epoch"] for row in history] == [1, 2, 3, 4]  # judged from epoch 3 (best), not improved in 4
+    assert "early stop: val_score has not improved for 1 epoch(s) (best 0.5000 in epoch 3)" in caplog.text
+    assert "best nan" not in caplog.text

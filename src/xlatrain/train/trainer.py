@@ -861,8 +861,7 @@ class Trainer:
 
     def _patience_spent(self, cursor: Cursor) -> bool:
         """Early stopping: the monitored value has not improved for ``early_stop_patience`` epochs."""
-        patience = self.config.early_stop_patience
-        since = max(cursor.best_epoch or 0, cursor.unjudged_until)
+        patience, since = self.config.early_stop_patience, max(cursor.best_epoch or 0, cursor.unjudged_until)
         return patience is not None and cursor.epoch_done and cursor.epoch - since >= patience
 
     def _track_best(self, row: dict[str, Any], cursor: Cursor) -> bool | None:
@@ -871,6 +870,8 @@ class Trainer:
             cursor.unjudged_until = row["epoch"]  # said once the epoch is saved (preflight.missing_monitor)
             return None
         value, best = row[monitor], cursor.best
+        if math.isnan(value) and cursor.best_epoch is None:  # nothing judged yet: patience counts from a judged epoch
+            cursor.unjudged_until = row["epoch"]
         improved = not math.isnan(value) and (
             math.isnan(best) or (value > best if self.monitor_mode == "max" else value < best)
         )
