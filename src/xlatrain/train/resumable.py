@@ -310,14 +310,15 @@ def nonfinite_error(precision: str, epoch: int, first: int, last: int, count: in
     """What stops a run whose loss went NaN/Inf in ``count`` steps between ``first`` and ``last``."""
     latest = latest_name(run_dir / "checkpoints")
     if precision == "fp16":
-        # Under fp16 the gradient scaler guards the backward pass; a non-finite loss is the
-        # forward pass itself overflowing float16.
+        # Under fp16 the gradient scaler guards the backward pass; a non-finite loss comes from the
+        # forward pass: float16 overflowing, or inputs that hold NaN/Inf (the code cannot tell which).
         return NonFiniteLossError(
             f"the loss was NaN/Inf in {count} step(s) between steps {first} and {last} of epoch {epoch} under "
-            "precision='fp16': the forward pass overflowed float16 (its largest value is 65504; the gradient "
-            "scaler guards only the backward). Use precision='bf16', which has float32's range, where the "
-            "device has it (A100, L4, H100 and later; TPUs; CPUs), or precision='32'. Nothing after the last "
-            f"good checkpoint was saved (latest: {latest or 'none'})."
+            "precision='fp16': the forward pass made it, either overflowing float16 (its largest value is 65504; "
+            "the gradient scaler guards only the backward) or from inputs that hold NaN/Inf. Check the inputs; "
+            "for an overflow, use precision='bf16', which has float32's range, where the device has it (A100, L4, "
+            "H100 and later; TPUs; CPUs), or precision='32'; nan_policy='skip_step' skips such steps. Nothing after "
+            f"the last good checkpoint was saved (latest: {latest or 'none'})."
         )
     return NonFiniteLossError(
         f"the loss or gradient norm was NaN/Inf in {count} step(s) between steps {first} and "
