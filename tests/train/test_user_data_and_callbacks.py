@@ -88,6 +88,20 @@ def test_a_sampler_sets_the_order_and_the_steps_and_a_shorter_epoch_is_said_with
     assert "epoch 1 ran" not in out
 
 
+def test_the_samples_a_users_sampler_leaves_out_of_full_steps_are_said(tmp_path, caplog):
+    """WeightedRandomSampler(num_samples=30) with batches of 4 and 3 micro-batches a step trained 24
+    of its 30 draws, unsaid (the Trainer's own sampler says its leftovers)."""
+    caplog.set_level(logging.INFO, logger="xlatrain")
+    sampler = torch.utils.data.WeightedRandomSampler(torch.ones(N), num_samples=30)
+    trainer = Trainer(_model(), nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1), sampler=sampler,
+                      config=TrainConfig(epochs=1, batch_size=4, grad_accum_steps=3, run_dir=str(tmp_path),
+                                         tensorboard=False), backend="cpu")
+    trainer.fit(_data())
+    assert "note: the sampler's 30 indices in epoch 1 make 6 full batches of 4, so that every step has the same shape " \
+           "and every optimizer step its 3 micro-batches: the 6 after them are not trained on in that epoch" in caplog.text
+    assert "len() is" not in caplog.text  # its length says what it gives
+
+
 def test_a_later_epoch_of_a_sampler_that_gives_more_is_said_with_the_count_it_gave(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="xlatrain")
     first, more = list(range(40)), list(range(N)) + list(range(16))  # 5 steps, then 64 indices: 8 steps

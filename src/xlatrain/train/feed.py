@@ -241,6 +241,9 @@ class TrainFeed:
         """A user's sampler whose length is not what it gives: the steps come from what it gives;
         samples the Trainer's own sampler leaves out of each epoch to keep every batch full."""
         sampler = self.sampler
+        accum = self._step_multiple
+        why = "so that every step has the same shape" + (
+            f" and every optimizer step its {accum} micro-batches" if accum > 1 else "")
         if isinstance(sampler, TrainSampler) or isinstance(self.dataset, BatchSource):
             global_batch = self._layout["loader_batch"] * self._layout["num_processes"]
             num_samples = sampler.num_samples if sampler is not None else len(self.dataset)
@@ -249,7 +252,7 @@ class TrainFeed:
             if left <= 0:
                 return None
             return (f"note: each epoch trains {self.steps_per_epoch} full batches of {global_batch}, {used} of the "
-                    f"{num_samples} samples, so that every step has the same shape: the {left} at the end of "
+                    f"{num_samples} samples, {why}: the {left} at the end of "
                     + ("its shuffled order, different ones each epoch, wait for another epoch"
                        if sampler is not None and sampler.shuffle else
                        f"{type(self.dataset).__name__}'s order for the epoch (its own to shuffle) wait for another epoch"
@@ -257,12 +260,16 @@ class TrainFeed:
         if not isinstance(sampler, UserSampler):
             return None
         says, gives = sampler.announced(), sampler.given()
-        if says is None or says == gives:
-            return None
-        return (f"note: the sampler's len() is {says} but it gave {gives} indices in epoch 1"
-                + (" on this process" if sampler.per_process else "")
-                + f": the Trainer runs the {self.steps_per_epoch} step(s) per epoch those make, and sizes the "
-                "schedule by them")
+        where = " on this process" if sampler.per_process else ""
+        notes = [] if says is None or says == gives else [
+            f"note: the sampler's len() is {says} but it gave {gives} indices in epoch 1{where}: the Trainer runs the "
+            f"{self.steps_per_epoch} step(s) per epoch those make, and sizes the schedule by them"]
+        per_step = self._layout["loader_batch"] * (1 if sampler.per_process else self._layout["num_processes"])
+        left = gives - self.steps_per_epoch * per_step
+        if left > 0:
+            notes.append(f"note: the sampler's {gives} indices in epoch 1{where} make {self.steps_per_epoch} full "
+                         f"batches of {per_step}, {why}: the {left} after them are not trained on in that epoch")
+        return "\n".join(notes) or None
 
     def steps_that_ran(self, epoch: int, step_done: int, extra: bool, *, user_sampler: bool) -> tuple[int, str | None]:
         """The steps this epoch ran, and a warning where they are not the announced count (the
