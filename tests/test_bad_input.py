@@ -572,6 +572,13 @@ PIECES = {
                                      "ValueError", r"top-5 accuracy, but the model has 3 outputs", r"at most 3"),
     "ema_decay out of range": Case(api(lambda d: trainer(d, cfg={"ema_decay": 1.0})), "ValueError",
                                    r"ema_decay=1\.0 is not valid", r"between 0 and 1"),
+    # Keys that would take no effect (runs.md: every key takes effect or is an error naming it).
+    "EMA settings without an EMA": Case(api(lambda d: trainer(d, cfg={"ema_every": 5, "ema_bn_batches": 2})),
+                                        "ValueError", r"ema_every=5, ema_bn_batches=2 shape an EMA .* ema_decay is None",
+                                        r"set ema_decay"),
+    "scheduler_interval without a schedule": Case(api(lambda d: trainer(d, cfg={"scheduler_interval": "step"})),
+                                                  "ValueError", r"scheduler_interval='step' .* there is none",
+                                                  r"give scheduler_fn .* or leave scheduler_interval at 'epoch'"),
 }
 
 

@@ -291,6 +291,11 @@ class TrainConfig:
         _choice("ema_rule", self.ema_rule, ("every", "torchvision"))
         _positive_int("ema_warmup_epochs", self.ema_warmup_epochs, minimum=0)
         _positive_int("ema_bn_batches", self.ema_bn_batches, minimum=0)
+        unused = [f"{k}={getattr(self, k)!r}" for k, default in (("ema_every", 1), ("ema_rule", "every"),
+                  ("ema_warmup_epochs", 0), ("ema_bn_batches", 0)) if getattr(self, k) != default]
+        if self.ema_decay is None and unused:
+            raise ValueError(f"{', '.join(unused)} shape an EMA of the weights, and ema_decay is None (no EMA): set "
+                             "ema_decay (e.g. 0.999) to keep one, or leave these out")
         if self.monitor_mode is not None:
             _choice("monitor_mode", self.monitor_mode, MONITOR_MODES)
         elif self.monitor is not None and monitor_mode_for(self.monitor) is None:
