@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import shutil
 import signal
@@ -167,6 +168,20 @@ def test_a_failing_positional_call_says_how_the_fields_were_bound(tmp_path):
     notes = "\n".join(raised.value.__notes__)
     assert "TwoInputs.forward(batch['image'], batch['factor'])" in notes
     assert "by position: batch['image'] -> x, batch['factor'] -> scale" in notes
+
+
+def test_a_model_own_loss_with_inputs_named_gets_its_labels_in_training_and_none_in_predict(tmp_path):
+    """inputs= named the model's inputs only: the labels never reached it, and the dry run said the batch
+    held none; naming them in inputs= then made predict refuse unlabeled items."""
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=32,
+                                     bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    trainer = _trainer(model, None, tmp_path, epochs=1, inputs=("input_ids", "attention_mask"))
+    history = trainer.fit(_lm_items(16, 0), _lm_items(8, 1))
+    assert math.isfinite(history[0]["train_loss"]) and math.isfinite(history[0]["val_loss"])
+    unlabeled = [{k: v for k, v in item.items() if k != "labels"} for item in _lm_items(4, 2)]
+    assert trainer.predict(unlabeled).shape == (4, 16, 64)  # the logits, with no labels to pass
 
 
 def test_the_model_own_loss_refuses_a_key_forward_does_not_take_before_training(tmp_path, caplog):

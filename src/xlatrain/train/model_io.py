@@ -11,9 +11,11 @@ Two ways to train, chosen by ``loss_fn``:
 - **the model's own loss** (``loss_fn=None``), as Hugging Face models and torchvision detectors
   compute it: a mapping batch is passed as keyword arguments, ``model(**batch)`` (``inputs=``
   may name the keys to pass); a pair calls ``model(inputs, targets)`` (torchvision's detection
-  models). The loss is ``out.loss``, ``out["loss"]``, the first element of a tuple, or the tensor
-  returned; a mapping of scalar losses without a ``"loss"`` (a detector's) is summed, each term
-  logged under its name. Targets for metrics are ``targets=`` if given, else a mapping's
+  models). With ``inputs=`` named, the targets (``targets=``, else a ``"labels"`` key) are passed
+  too in training and evaluation where ``forward`` takes them, and left out in ``predict``. The
+  loss is ``out.loss``, ``out["loss"]``, the first element of a tuple, or the tensor returned; a
+  mapping of scalar losses without a ``"loss"`` (a detector's) is summed, each term logged under
+  its name. Targets for metrics are ``targets=`` if given, else a mapping's
   ``"labels"``.
 
 Predictions (what task metrics, ``metrics_fn`` and ``predict`` see) are the model's outputs, or
@@ -101,6 +103,10 @@ class ModelIO:
                 if missing:
                     raise ValueError(f"inputs={self.inputs!r}: the batch has no key {', '.join(map(repr, missing))}; "
                                      f"its keys are {', '.join(map(repr, fields))}")
+                if self.inputs is not None and with_targets:  # the model computes its loss from its labels too
+                    named = [self.targets] if isinstance(self.targets, str) else list(self.targets or ["labels"])
+                    keys += [k for k in named if k in fields and k not in keys
+                             and (k in self.signature.names or self.signature.var_kwargs)]
                 return (), {k: fields[k] for k in keys}
             if isinstance(batch, (list, tuple)) and len(batch) == 2:
                 return (batch[0], batch[1]) if with_targets else (batch[0],), {}
