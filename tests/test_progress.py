@@ -227,3 +227,12 @@ def test_an_epoch_whose_monitored_value_is_nan_says_it_was_not_judged():
     assert epoch_line(row, 3, "val_mean_auc", False).endswith(
         "(val_mean_auc is NaN: not judged, so no best weights from this epoch)")
     assert "NaN" not in epoch_line({**row, "val_mean_auc": 0.7}, 3, "val_mean_auc", False)
+
+
+def test_an_epoch_that_skipped_non_finite_steps_says_how_many():
+    """With log_every past the epoch's last step, no progress line said a step was skipped."""
+    from xlatrain.progress import epoch_line
+
+    row = {"epoch": 1, "train_loss": 0.5, "epoch_time_s": 1.0, "nonfinite_steps": 2}
+    assert epoch_line(row, 3, "train_loss", False).endswith("(2 non-finite steps skipped)")
+    assert "skipped" not in epoch_line({**row, "nonfinite_steps": 0}, 3, "train_loss", False)

@@ -290,5 +290,6 @@ def epoch_line(row: Mapping[str, Any], epochs: int, monitor: str, improved: bool
     # Rates leave the fit's first steps out: their time (compiling, first allocations) is said apart.
     warm = f" (first steps {format_rate(row['warmup_s'])}s, left out of the rates)" if "warmup_s" in row else ""
     whole = " with validation" if any(k.startswith("val_") for k in row) else ""
+    skipped = f"  ({row['nonfinite_steps']} non-finite steps skipped)" if row.get("nonfinite_steps") else ""
     return (f"epoch {row['epoch']}/{epochs}  " + "  ".join(shown) + f"  {row['epoch_time_s']:.1f}s{whole}{warm}"
-            + rate + star)
+            + rate + skipped + star)

@@ -280,6 +280,7 @@ def test_nan_policy_skip_step_leaves_weights_finite_and_counts_the_loss_out(tmp_
     history = trainer.fit(_tiny_data())
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
     assert math.isfinite(history[0]["train_loss"])  # the mean over the good steps
+    assert history[0]["nonfinite_steps"] == 1  # kept with the epoch, and said on its line
     # The progress line, TensorBoard and callbacks take their means over the same steps (the
     # skipped step's loss counted as 0 over all 8 steps read 7/8 of it, and 3/4 in its interval).
     first, last = heard[0], heard[-1]

@@ -91,8 +91,7 @@ class ModelParameters:
 class RunShape:
     """The length of a run in optimizer steps, after gradient accumulation and devices.
 
-    A ``scheduler_fn`` taking two arguments receives it:
-    ``scheduler_fn=lambda opt, run: OneCycleLR(opt, max_lr=0.1, total_steps=run.total_steps)``;
+    A two-argument ``scheduler_fn`` gets it: ``lambda opt, run: OneCycleLR(opt, 0.1, total_steps=run.total_steps)``;
     ``trainer.run_shape`` holds it once ``fit`` has begun (a callback's ``on_fit_start`` reads it).
     """
 
@@ -588,6 +587,7 @@ class Trainer:
         self._check_nonfinite(float(bad), cursor.epoch, 1, ran)
         good_steps = max(ran - float(bad) if cfg.nan_policy == "skip_step" else ran, 1)
         row = {"train_" + name.removeprefix("term."): float(total) / good_steps for name, total in zip(names, totals)}
+        row.update({"nonfinite_steps": int(bad)} if bad and cfg.nan_policy == "skip_step" else {})  # said on its line
         if ran <= first_step:  # resumed at the epoch's end: none of its steps ran in this fit, no rate to give
             return row
         rate, warmup_s = clock.rate(ran, self.global_batch_size, first_step)
