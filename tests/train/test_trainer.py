@@ -410,20 +410,38 @@ def test_per_class_columns_are_named_by_the_class_ids_a_metric_lists():
     assert got == pytest.approx({"map": 0.5, "map_per_class_1": 0.1, "map_per_class_3": 0.2, "map_per_class_7": 0.3})
 
 
-@pytest.mark.parametrize("per_step", [True, False], ids=["run-length-per-step", "epoch-cosine"])
-def test_a_second_fit_on_one_trainer_starts_its_schedule_anew(tmp_path, per_step):
+def _chained(opt):  # a ChainedScheduler has no last_epoch of its own
+    return torch.optim.lr_scheduler.ChainedScheduler([torch.optim.lr_scheduler.LinearLR(opt, 0.5, total_iters=2),
+                                                      torch.optim.lr_scheduler.ExponentialLR(opt, 0.9)])
+
+
+@pytest.mark.parametrize("kind", ["run-length-per-step", "epoch-cosine", "chained", "tensor-rate"])
+def test_a_second_fit_on_one_trainer_starts_its_schedule_anew(tmp_path, kind):
     """The finished schedule was reused: OneCycleLR raised past its end once the earlier run's
     files were removed, and a cosine started the new run at its floor (rates 0, 0.025, 0.075)."""
-    if per_step:
-        schedule = lambda opt, run: torch.optim.lr_scheduler.OneCycleLR(opt, 0.1, total_steps=run.total_steps)  # noqa: E731
-    else:
-        schedule = functools.partial(torch.optim.lr_scheduler.CosineAnnealingLR, T_max=3)
-    trainer = Trainer(_mlp(), nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1), scheduler_fn=schedule,
+    schedule = {
+        "run-length-per-step": lambda opt, run: torch.optim.lr_scheduler.OneCycleLR(opt, 0.1, total_steps=run.total_steps),
+        "epoch-cosine": functools.partial(torch.optim.lr_scheduler.CosineAnnealingLR, T_max=3),
+        "chained": _chained, "tensor-rate": functools.partial(torch.optim.lr_scheduler.CosineAnnealingLR, T_max=3),
+    }[kind]
+    lr = torch.tensor(0.1) if kind == "tensor-rate" else 0.1
+    trainer = Trainer(_mlp(), nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=lr), scheduler_fn=schedule,
                       config=TrainConfig(epochs=3, batch_size=8, run_dir=str(tmp_path), tensorboard=False,
-                                         scheduler_interval="step" if per_step else "epoch"), backend="cpu")
+                                         scheduler_interval="step" if kind.endswith("per-step") else "epoch"),
+                      backend="cpu")
     first = [row["lr"] for row in trainer.fit(_classification(16))]
     again = [row["lr"] for row in trainer.fit(_classification(16), resume="overwrite")]
-    assert again == first and len(set(first)) == 3
+    assert again == pytest.approx(first, rel=1e-6) and len(set(first)) == 3
+
+
+def test_a_schedule_a_user_put_in_place_of_the_trainers_stays_theirs(tmp_path):
+    trainer = Trainer(_mlp(), nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1),
+                      scheduler_fn=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=1),
+                      config=TrainConfig(epochs=2, batch_size=8, run_dir=str(tmp_path), tensorboard=False), backend="cpu")
+    trainer.fit(_classification(16))
+    mine = trainer.scheduler = torch.optim.lr_scheduler.ConstantLR(trainer.optimizer, factor=1.0, total_iters=0)
+    trainer.fit(_classification(16), resume="overwrite")
+    assert trainer.scheduler is mine
 
 
 def test_predict_on_bare_inputs_runs_the_batch_transform_as_on_pairs(tmp_path):

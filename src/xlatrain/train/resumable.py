@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from xlatrain.backend.model_state import optimizer_implementation, restore_implementation
+from xlatrain.train.checks import required_positional
 from xlatrain.checkpoint import (
     SHARDS_DIR,
     CheckpointError,
@@ -145,20 +146,38 @@ def check_resumable(trainer: Trainer, path: Path, tensors: dict[str, torch.Tenso
         trainer._say(f"resuming with changed settings: {'; '.join(continued)}")
 
 
-def build_schedule(trainer: Trainer) -> None:
-    """The fit's learning-rate schedule: one that needs the run's length is built for this fit's;
-    a fit after another on the same Trainer starts its schedule anew, from the rates the schedule
-    began with (a checkpoint resumed from then loads its state over it)."""
-    make, wants_run, old = trainer._scheduler_fn, trainer._scheduler_wants_run, trainer.scheduler
-    if make is None or not (wants_run or getattr(old, "last_epoch", 0) > 0):
+def build_schedule(trainer: Trainer, *, for_fit: bool) -> None:
+    """The learning-rate schedule ``scheduler_fn`` makes, kept as ``trainer.scheduler``.
+
+    As the Trainer is built: one taking only the optimizer, built now (a user may read it). As
+    each fit begins: one that needs the run's length, built for this fit's; and in a fit after
+    another, the schedule the Trainer made is made anew, the rates put back where it began them
+    (a checkpoint resumed from then loads its state over it). A schedule a user put in
+    ``trainer.scheduler`` in place of the Trainer's stays theirs.
+    """
+    make = trainer._scheduler_fn
+    if not for_fit:
+        trainer._scheduler_wants_run = make is not None and required_positional(make) >= 2
+        trainer._schedule_fits = 0
+        trainer.scheduler = make(trainer.optimizer) if make is not None and not trainer._scheduler_wants_run else None
+        trainer._built_scheduler = trainer.scheduler
         return
-    for group in trainer.optimizer.param_groups:  # a cosine's next rate is made from the current one
-        if "initial_lr" in group:
+    trainer._schedule_fits += 1
+    again = trainer._schedule_fits > 1
+    if make is None or trainer.scheduler is not trainer._built_scheduler or not (trainer._scheduler_wants_run or again):
+        return
+    if again:  # a schedule made from the current rate (a cosine's next) starts from the first one again
+        for group in trainer.optimizer.param_groups:
+            start = group.get("initial_lr")
+            if start is None:
+                continue
             if isinstance(group["lr"], torch.Tensor):
-                group["lr"].fill_(float(group["initial_lr"]))
+                group["lr"].copy_(start) if isinstance(start, torch.Tensor) else group["lr"].fill_(start)
             else:
-                group["lr"] = group["initial_lr"]
+                group["lr"] = start.clone() if isinstance(start, torch.Tensor) else start
+    wants_run = trainer._scheduler_wants_run
     trainer.scheduler = make(trainer.optimizer, trainer.run_shape) if wants_run else make(trainer.optimizer)
+    trainer._built_scheduler = trainer.scheduler
 
 
 def _global_batch_hint(trainer: Trainer, old: dict[str, Any]) -> str:

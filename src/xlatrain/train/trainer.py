@@ -42,7 +42,7 @@ from xlatrain.tensorboard import TensorBoardLog
 from xlatrain.train import perf, preflight, resumable
 from xlatrain.train.batch import collate, tree_map
 from xlatrain.train.callbacks import Callbacks
-from xlatrain.train.checks import check_arguments, check_dataset, check_pipeline_arguments, in_step, required_positional
+from xlatrain.train.checks import check_arguments, check_dataset, check_pipeline_arguments, in_step
 from xlatrain.train.ema import EMA_KEY, EMA_WEIGHTS, WeightAverage, recomputed_batch_norm
 from xlatrain.train.feed import TrainFeed, channels_last_choice, eval_batches, follow_num_workers, to_channels_last
 from xlatrain.train.losses import EvalLoss
@@ -287,8 +287,7 @@ class Trainer:
             )
         # Built after any scaling (it starts from the scaled rate); one that needs the run's length, by fit.
         self._scheduler_fn = scheduler_fn
-        self._scheduler_wants_run = scheduler_fn is not None and required_positional(scheduler_fn) >= 2
-        self.scheduler = scheduler_fn(self.optimizer) if scheduler_fn is not None and not self._scheduler_wants_run else None
+        resumable.build_schedule(self, for_fit=False)
         self.history: list[dict[str, Any]] = []
         self._step_lr: Any = None  # the learning rate the last training step used
         self._resumed_from: Path | None = None  # the checkpoint this fit continues (set by resume)
@@ -474,7 +473,7 @@ class Trainer:
         self.memory_plan, self.throughput = preflight.prepare(self, train_data, val_data)
         per_epoch = feed.steps_per_epoch // cfg.grad_accum_steps
         self.run_shape = RunShape(total_steps=per_epoch * cfg.epochs, steps_per_epoch=per_epoch, epochs=cfg.epochs)
-        resumable.build_schedule(self)
+        resumable.build_schedule(self, for_fit=True)
         self._start_loss_sum, self._resumed_from = None, None
         cursor, sums = resumable.resume(self, resume)
         self.history = cursor.history
