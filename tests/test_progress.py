@@ -146,10 +146,17 @@ def test_lines_carry_the_epoch_mean_and_a_rate_no_faster_than_the_steps() -> Non
 
 
 def test_first_interval_after_a_resume_uses_the_checkpointed_sum() -> None:
-    stats = IntervalMeter(10, samples_per_step=8, start_loss_sum=10.0).measure(20, loss_sum=15.0, nonfinite=0)
+    stats = IntervalMeter(10, samples_per_step=8, start_sums=(10.0, 0.0)).measure(20, loss_sum=15.0, nonfinite=0)
     assert (stats.epoch_loss, stats.interval_loss) == (0.75, 0.5)
     unknown = IntervalMeter(10, samples_per_step=8)
     assert unknown.measure(20, loss_sum=15.0, nonfinite=0).interval_loss == 0.75
+    # Under skip_step the checkpoint's count of skipped steps is the interval's start too: 3 skipped
+    # before step 100 (sum 97 over 97 that counted), steps 101-110 each 1.0, none skipped.
+    resumed = IntervalMeter(100, samples_per_step=8, start_sums=(97.0, 3.0), skipped_out=True)
+    stats = resumed.measure(110, loss_sum=107.0, nonfinite=3.0)
+    assert (stats.epoch_loss, stats.interval_loss, stats.nonfinite) == (1.0, 1.0, 3)
+    # Counts are means over processes: 0.5 of 2 processes is one step, said as one.
+    assert IntervalMeter(0, samples_per_step=8, processes=2).measure(4, loss_sum=2.0, nonfinite=0.5).nonfinite == 1
 
 
 def test_non_finite_steps_are_named_in_the_line() -> None:
@@ -234,5 +241,7 @@ def test_an_epoch_that_skipped_non_finite_steps_says_how_many():
     from xlatrain.progress import epoch_line
 
     row = {"epoch": 1, "train_loss": 0.5, "epoch_time_s": 1.0, "nonfinite_steps": 2}
-    assert epoch_line(row, 3, "train_loss", False).endswith("(2 non-finite steps skipped)")
+    assert epoch_line(row, 3, "train_loss", False).endswith("(2 steps with a NaN/Inf loss or gradient norm, skipped)")
+    assert epoch_line({**row, "nonfinite_steps": 1}, 3, "train_loss", False).endswith("(1 step with a NaN/Inf loss "
+                                                                                       "or gradient norm, skipped)")
     assert "skipped" not in epoch_line({**row, "nonfinite_steps": 0}, 3, "train_loss", False)

@@ -75,27 +75,29 @@ class IntervalMeter:
     Args:
         start_step: the last step already done (non-zero when resuming inside the epoch).
         samples_per_step: samples one step consumes over all devices (the global batch).
-        start_loss_sum: the epoch's loss sum at ``start_step`` (from a checkpoint), so the first
-            interval after a resume measures its own mean; ``None`` with ``start_step`` > 0 makes
-            that first interval the epoch mean instead.
+        start_sums: the epoch's loss sum and count of non-finite steps at ``start_step`` (from a
+            checkpoint, each a mean over processes), so the first interval after a resume measures
+            its own mean; ``None`` with ``start_step`` > 0 makes that first interval the epoch
+            mean instead.
+        skipped_out: ``nan_policy='skip_step'``: a non-finite step adds nothing to the loss sum,
+            and means are over the steps that counted (as the epoch's ``train_loss`` is).
+        processes: the processes whose mean non-finite count ``measure`` gets; the count said is
+            their total.
     """
 
-    def __init__(self, start_step: int, *, samples_per_step: int, start_loss_sum: float | None = None,
-                 warm_until: int | None = None, skipped_out: bool = False) -> None:
+    def __init__(self, start_step: int, *, samples_per_step: int, start_sums: tuple[float, float] | None = None,
+                 warm_until: int | None = None, skipped_out: bool = False, processes: int = 1) -> None:
         self._samples_per_step = samples_per_step
         self._last_step = start_step
-        self._last_sum = 0.0 if start_step == 0 else start_loss_sum
+        self._last_sum, self._last_bad = (0.0, 0.0) if start_step == 0 else (start_sums or (None, 0.0))
         self._last_time = time.perf_counter()
         self._warm_until = start_step if warm_until is None else warm_until
-        # nan_policy='skip_step': a skipped step adds nothing to the loss sum, and means are over
-        # the steps that counted (as the epoch's train_loss is).
-        self._skipped_out = skipped_out
-        self._last_bad = 0.0 if start_step == 0 else None  # resumed: the skips before are not known here
+        self._skipped_out, self._processes = skipped_out, processes
 
     def measure(self, step: int, *, loss_sum: float, nonfinite: float) -> IntervalStats:
         """The interval ending at ``step``: ``loss_sum`` over the epoch's steps 1..``step``, of which
-        ``nonfinite`` were non-finite. An interval that holds a warm-up step (compilation, first
-        allocations) has no rate."""
+        ``nonfinite`` were non-finite (both means over processes). An interval that holds a warm-up
+        step (compilation, first allocations) has no rate."""
         now = time.perf_counter()
         done = step - self._last_step
 
@@ -105,10 +107,10 @@ class IntervalMeter:
         rate = done * self._samples_per_step / max(now - self._last_time, 1e-9) if self._last_step >= self._warm_until \
             else None
         epoch_loss = loss_sum / counted(step, nonfinite)
-        interval_loss = (loss_sum - self._last_sum) / counted(done, nonfinite - (self._last_bad or 0.0)) \
+        interval_loss = (loss_sum - self._last_sum) / counted(done, nonfinite - self._last_bad) \
             if self._last_sum is not None and done > 0 else epoch_loss
         self._last_step, self._last_sum, self._last_time, self._last_bad = step, loss_sum, now, nonfinite
-        return IntervalStats(step, epoch_loss, interval_loss, rate, int(nonfinite))
+        return IntervalStats(step, epoch_loss, interval_loss, rate, round(nonfinite * self._processes))
 
 
 class EpochProgress:
@@ -290,6 +292,7 @@ def epoch_line(row: Mapping[str, Any], epochs: int, monitor: str, improved: bool
     # Rates leave the fit's first steps out: their time (compiling, first allocations) is said apart.
     warm = f" (first steps {format_rate(row['warmup_s'])}s, left out of the rates)" if "warmup_s" in row else ""
     whole = " with validation" if any(k.startswith("val_") for k in row) else ""
-    skipped = f"  ({row['nonfinite_steps']} non-finite steps skipped)" if row.get("nonfinite_steps") else ""
+    n = row.get("nonfinite_steps", 0)
+    skipped = f"  ({n} step{'s' if n != 1 else ''} with a NaN/Inf loss or gradient norm, skipped)" if n else ""
     return (f"epoch {row['epoch']}/{epochs}  " + "  ".join(shown) + f"  {row['epoch_time_s']:.1f}s{whole}{warm}"
             + rate + skipped + star)

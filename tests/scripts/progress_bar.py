@@ -15,7 +15,7 @@ log = get_logger("xlatrain.train.trainer")
 ensure_console()
 interactive = interactive_terminal(is_main=True)
 log.info(f"mode {'bar' if interactive else 'lines'}")
-meter = IntervalMeter(start_step, samples_per_step=64, start_loss_sum=0.5 * start_step)
+meter = IntervalMeter(start_step, samples_per_step=64, start_sums=(0.5 * start_step, 0.0))
 with EpochProgress(3, num_steps, start_step, interactive=interactive, log=log.info) as progress:
     for step in range(start_step + 1, num_steps + 1):
         time.sleep(0.03)

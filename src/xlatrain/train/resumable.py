@@ -95,7 +95,7 @@ def resume(trainer: Trainer, resume: bool | str) -> tuple[Cursor, dict[str, torc
     if cursor.epoch_done and cursor.best_epoch == cursor.epoch:
         cursor.best_checkpoint = path.name  # saved right after the best epoch: this one
     # What all_reduce_mean(sums["loss"]) reads at the first log interval, known here without a read.
-    trainer._start_loss_sum = sum(p["loss"] for p in per_process_sums) / len(per_process_sums)
+    trainer._start_sums = tuple(sum(p[k] for p in per_process_sums) / len(per_process_sums) for k in ("loss", "nonfinite"))
     if len(rng) == st.num_processes:
         mine = per_process_sums[st.process_index]
         rt.set_rng_state(rng[st.process_index])

@@ -296,7 +296,7 @@ class Trainer:
         self._nonfinite: tuple[int, int, int, int] | None = None  # set by a deferred read
         self._config_record: dict[str, Any] = {}
         self._term_names: list[str] = []  # the loss's named terms, learnt in the dry run
-        self._start_loss_sum: float | None = None  # the resumed epoch's loss sum, from the checkpoint
+        self._start_sums: tuple[float, float] | None = None  # the resumed epoch's loss sum and NaN count
         # Who hears the run's points: the user's callbacks, and while fit runs xlatrain's own
         # observers (progress, TensorBoard, trace, diagnostics) before them.
         self._observers = Observers([], self._callbacks)
@@ -420,7 +420,7 @@ class Trainer:
                             # logged after a checkpoint at step T lies after T.
                             show = self._interval(ep.meter, epoch, ep.last_logged + 1, step,
                                                   cursor.global_step + (0 if last_micro else 1))
-                            rt.defer(show, [st.all_reduce_mean(sums["loss"]), sums["nonfinite"]])
+                            rt.defer(show, [st.all_reduce_mean(sums["loss"]), st.all_reduce_mean(sums["nonfinite"])])
                             ep.last_logged = step
                         if self._nonfinite is not None:
                             self._fail_nonfinite()
@@ -474,7 +474,7 @@ class Trainer:
         per_epoch = feed.steps_per_epoch // cfg.grad_accum_steps
         self.run_shape = RunShape(total_steps=per_epoch * cfg.epochs, steps_per_epoch=per_epoch, epochs=cfg.epochs)
         resumable.build_schedule(self, for_fit=True)
-        self._start_loss_sum, self._resumed_from = None, None
+        self._start_sums, self._resumed_from = None, None
         cursor, sums = resumable.resume(self, resume)
         self.history = cursor.history
         if self.ema is not None:  # a resumed run's averages came back with the optimizer's state
@@ -556,9 +556,10 @@ class Trainer:
             self._stats_mark = self.runtime.runtime_stats()
         obs = self._observers
         clock = WarmupClock(start_step, min(warm, max(feed.steps_per_epoch - start_step - 1, 0)), time.perf_counter())
-        meter = IntervalMeter(start_step, samples_per_step=self.global_batch_size, start_loss_sum=self._start_loss_sum,
-                              warm_until=clock.mark_step, skipped_out=self.config.nan_policy == "skip_step")
-        self._start_loss_sum = None  # later epochs start from zero
+        meter = IntervalMeter(start_step, samples_per_step=self.global_batch_size, start_sums=self._start_sums,
+                              warm_until=clock.mark_step, skipped_out=self.config.nan_policy == "skip_step",
+                              processes=self.strategy.num_processes)
+        self._start_sums = None  # later epochs start from zero
         return SimpleNamespace(
             batches=obs.batches(feed.batches(epoch, start_step), "train", epoch, start_step + 1), meter=meter,
             clock=clock, step_start=obs.hooks("on_step_start"), step_end=obs.hooks("on_step_end"),
@@ -579,14 +580,14 @@ class Trainer:
                 self.optimizer.zero_grad(set_to_none=True)
             self._say(warning)
         names = [k for k in sums if k != "nonfinite"]
-        *totals, bad = rt.read([*(st.all_reduce_mean(sums[k]) for k in names), sums["nonfinite"]])
+        *totals, bad = rt.read([*(st.all_reduce_mean(sums[k]) for k in names), st.all_reduce_mean(sums["nonfinite"])])
         if ep.last_logged < ran and ran > first_step:
             self._interval(ep.meter, cursor.epoch, ep.last_logged + 1, ran, cursor.global_step)(
                 totals[names.index("loss")], bad)
-        self._check_nonfinite(float(bad), cursor.epoch, 1, ran)
+        self._check_nonfinite(float(bad) * st.num_processes, cursor.epoch, 1, ran)  # every process's, in all
         good_steps = max(ran - float(bad) if cfg.nan_policy == "skip_step" else ran, 1)
         row = {"train_" + name.removeprefix("term."): float(total) / good_steps for name, total in zip(names, totals)}
-        row.update({"nonfinite_steps": int(bad)} if bad and cfg.nan_policy == "skip_step" else {})  # said on its line
+        row.update({"nonfinite_steps": round(float(bad) * st.num_processes)} if bad and cfg.nan_policy == "skip_step" else {})
         if ran <= first_step:  # resumed at the epoch's end: none of its steps ran in this fit, no rate to give
             return row
         rate, warmup_s = clock.rate(ran, self.global_batch_size, first_step)
@@ -834,10 +835,10 @@ class Trainer:
             lr = None  # a capturable optimizer keeps it on the device; not worth a read
 
         def show(mean_loss_sum: torch.Tensor, nonfinite: torch.Tensor) -> None:
-            bad = float(nonfinite)
+            bad = float(nonfinite)  # a mean over processes
             if bad > 0 and self.config.nan_policy == "stop":
                 # Raised by the training loop right after this read, not inside the runtime's callback.
-                self._nonfinite = (epoch, first, step, int(bad))
+                self._nonfinite = (epoch, first, step, round(bad * self.strategy.num_processes))
             stats = meter.measure(step, loss_sum=float(mean_loss_sum), nonfinite=bad)
             rate = stats.samples_per_s
             figures = self.throughput.figures(rate) if self.throughput is not None and rate is not None else {}
