@@ -333,8 +333,9 @@ def nonfinite_error(precision: str, epoch: int, first: int, last: int, count: in
         # forward pass: float16 overflowing, or inputs that hold NaN/Inf (the code cannot tell which).
         return NonFiniteLossError(
             f"the loss was NaN/Inf in {count} step(s) between steps {first} and {last} of epoch {epoch} under "
-            "precision='fp16': the forward pass made it, either overflowing float16 (its largest value is 65504; "
-            "the gradient scaler guards only the backward) or from inputs that hold NaN/Inf. Check the inputs; "
+            "precision='fp16': the forward pass made it, for example by overflowing float16 (its largest value is "
+            "65504; the gradient scaler guards only the backward), from inputs that hold NaN/Inf, or in the loss "
+            "itself (a batch whose targets are all ignore_index, a ratio with no epsilon). Check the inputs; "
             "for an overflow, use precision='bf16', which has float32's range, where the device has it (A100, L4, "
             "H100 and later; TPUs; CPUs), or precision='32'; nan_policy='skip_step' skips such steps. Nothing after "
             f"the last good checkpoint was saved (latest: {latest or 'none'})."

@@ -151,8 +151,8 @@ class Trainer:
             repeated augmentation). See :class:`~xlatrain.data.sampling.UserSampler`.
         batch_transform: ``batch_transform(batch) -> batch`` on each batch once it is on the device
             (training, evaluation, prediction, the dry run): normalisation on the accelerator, a
-            memory format. It receives the batch as the dataset's items stack (``(inputs,
-            targets)`` by default); under XLA it is traced into the step.
+            memory format. It gets the batch as the dataset's items stack (``(inputs, targets)`` by
+            default; bare inputs to ``predict`` as ``(inputs, None)``); under XLA it is traced into the step.
         train_batch_transform: the same on training batches only, after ``batch_transform``:
             random augmentation that must not touch evaluation (timm's ``Mixup``).
         callbacks: objects with any of ``on_fit_start``, ``on_epoch_start``, ``on_interval``,
