@@ -12,11 +12,11 @@ Two ways to train, chosen by ``loss_fn``:
   compute it: a mapping batch is passed as keyword arguments, ``model(**batch)`` (``inputs=``
   may name the keys to pass); a pair calls ``model(inputs, targets)`` (torchvision's detection
   models). With ``inputs=`` named, the targets (``targets=``, else a ``"labels"`` key) are passed
-  too in training and evaluation where ``forward`` takes them, and left out in ``predict``. The
-  loss is ``out.loss``, ``out["loss"]``, the first element of a tuple, or the tensor returned; a
-  mapping of scalar losses without a ``"loss"`` (a detector's) is summed, each term logged under
-  its name. Targets for metrics are ``targets=`` if given, else a mapping's
-  ``"labels"``.
+  too in training and evaluation where ``forward`` names them (``"labels"`` also through its
+  ``**kwargs``), and left out in ``predict``. The loss is ``out.loss``, ``out["loss"]``, the first
+  element of a tuple, or the tensor returned; a mapping of scalar losses without a ``"loss"`` (a
+  detector's) is summed, each term logged under its name. Targets for metrics are ``targets=`` if
+  given, else a mapping's ``"labels"``.
 
 Predictions (what task metrics, ``metrics_fn`` and ``predict`` see) are the model's outputs, or
 the field ``output_field`` of them (``out.logits`` by default where the model returns one under
@@ -98,15 +98,11 @@ class ModelIO:
         if self.own_loss:
             fields = fields_of(batch)
             if fields is not None:
-                keys = [self.inputs] if isinstance(self.inputs, str) else list(self.inputs or fields)
+                keys = self._passed_keys(fields, with_targets)
                 missing = [k for k in keys if k not in fields]
                 if missing:
                     raise ValueError(f"inputs={self.inputs!r}: the batch has no key {', '.join(map(repr, missing))}; "
                                      f"its keys are {', '.join(map(repr, fields))}")
-                if self.inputs is not None and with_targets:  # the model computes its loss from its labels too
-                    named = [self.targets] if isinstance(self.targets, str) else list(self.targets or ["labels"])
-                    keys += [k for k in named if k in fields and k not in keys
-                             and (k in self.signature.names or self.signature.var_kwargs)]
                 return (), {k: fields[k] for k in keys}
             if isinstance(batch, (list, tuple)) and len(batch) == 2:
                 return (batch[0], batch[1]) if with_targets else (batch[0],), {}
@@ -135,13 +131,25 @@ class ModelIO:
                 exc.add_note(f"xlatrain: {self.describe_binding(batch)}")
             raise
 
+    def _passed_keys(self, fields: Mapping[str, Any], with_targets: bool = True) -> list[str]:
+        """Under the model's own loss, the batch's keys ``forward`` gets: ``inputs=`` (else all), and
+        with them, outside ``predict``, the targets the model computes its loss from: those
+        ``targets=`` names (else ``"labels"``) that ``forward`` names, or ``"labels"`` through its
+        ``**kwargs`` (a key named only for metrics is not passed there)."""
+        keys = [self.inputs] if isinstance(self.inputs, str) else list(self.inputs or fields)
+        if self.inputs is not None and with_targets:
+            named = [self.targets] if isinstance(self.targets, str) else list(self.targets or ["labels"])
+            keys += [k for k in named if k in fields and k not in keys
+                     and (k in self.signature.names or (k == "labels" and self.signature.var_kwargs))]
+        return keys
+
     def describe_binding(self, batch: Any) -> str:
         """How one batch reaches ``forward``: ``model(input_ids=batch['input_ids'], ...)``, each
         positional argument named by the parameter it fills."""
         fields = fields_of(batch)
         if self.own_loss:
             if fields is not None:
-                keys = [self.inputs] if isinstance(self.inputs, str) else list(self.inputs or fields)
+                keys = self._passed_keys(fields)
                 return f"called {self.signature.owner}(" + ", ".join(f"{k}=batch[{k!r}]" for k in keys) + ")"
             return f"called {self.signature.owner}(inputs, targets), the pair's two parts by position"
         assert self.layout is not None
@@ -161,8 +169,9 @@ class ModelIO:
         the key goes there, and whether the model reads it cannot be told: returns a note."""
         if not self.own_loss or not self.signature.names:
             return None
-        _, kwargs = self.bind(batch)
-        unknown = [k for k in kwargs if k not in self.signature.names]
+        fields = fields_of(batch)
+        passed = self._passed_keys(fields, with_targets=False) if fields is not None else []  # a target's own key: not said
+        unknown = [k for k in passed if k not in self.signature.names]
         if not unknown:
             return None
         keys = ", ".join(map(repr, unknown))
