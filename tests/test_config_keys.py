@@ -347,6 +347,12 @@ def test_a_warmup_that_covers_the_whole_run_is_said(tmp_path, caplog):
         caplog.clear()
 
 
+def test_a_step_interval_with_no_schedule_is_refused_as_the_config_is_read():
+    with pytest.raises(ValueError, match=r"trainer\.scheduler_interval: step .* schedule\.name is none: name one"):
+        _config("digits", "schedule.name=none", "schedule.step_size=null", "schedule.gamma=null",
+                "trainer.scheduler_interval=step")
+
+
 def test_a_step_schedule_stepped_every_optimizer_step_needs_its_step_size():
     with pytest.raises(ValueError, match=r"would halve it at every step: set schedule\.step_size .* or schedule\.gamma"):
         _config("digits", "schedule.name=step", "schedule.step_size=null", "schedule.gamma=null",

@@ -618,6 +618,9 @@ def run_config_from_dict(data: dict[str, Any]) -> RunConfig:
             f"(it is {sections['trainer'].scheduler_interval!r})"
         )
     schedule, interval = sections["schedule"], sections["trainer"].scheduler_interval
+    if schedule.name == "none" and interval != "epoch":  # refused before the recipe builds (or generates) anything
+        raise ValueError(f"trainer.scheduler_interval: {interval} says when a learning-rate schedule steps, and "
+                         "schedule.name is none: name one (step, cosine, warmup_cosine), or leave the interval at epoch")
     if schedule.name == "step" and interval == "step" and schedule.step_size is None and schedule.gamma is None:
         raise ValueError(
             "schedule.name=step with trainer.scheduler_interval: step decays the rate every schedule.step_size "

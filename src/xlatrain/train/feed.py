@@ -267,8 +267,11 @@ class TrainFeed:
         per_step = self._layout["loader_batch"] * (1 if sampler.per_process else self._layout["num_processes"])
         left = gives - self.steps_per_epoch * per_step
         if left > 0:
+            fewest = sampler.per_process and gives // per_step // accum * accum > self.steps_per_epoch
             notes.append(f"note: the sampler's {gives} indices in epoch 1{where} make {self.steps_per_epoch} full "
-                         f"batches of {per_step}, {why}: the {left} after them are not trained on in that epoch")
+                         f"batches of {per_step}, {why}"
+                         + (" and every process as many steps as the one with the fewest" if fewest else "")
+                         + f": the {left} after them are not trained on in that epoch")
         return "\n".join(notes) or None
 
     def steps_that_ran(self, epoch: int, step_done: int, extra: bool, *, user_sampler: bool) -> tuple[int, str | None]:
