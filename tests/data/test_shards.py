@@ -350,6 +350,9 @@ def test_the_trainers_num_workers_decides_a_shard_readers_workers_unless_the_rea
     trainer(1, "one").fit(train, val)
     assert "input: 1 decode worker(s) (as configured)" in caplog.text
     assert len(train._workers._conns) == 1
+    trainer(2, "two").fit(train)
+    trainer(1, "one-again").fit(train)  # a number given is kept: the two workers of the run before are not reused
+    assert len(train._workers._conns) == 1
     caplog.clear()
     trainer(0, "eval").evaluate(val)  # before any fit: the dry run reads with the Trainer's 0 too
     assert val._workers is None
