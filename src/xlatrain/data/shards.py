@@ -1458,8 +1458,8 @@ class ShardDataset:
             pinning.close()
 
     def decode_workers(self, batches: int | None = None) -> tuple[int, str]:
-        """The worker processes a pass of ``batches`` batches decodes with, and why (workers
-        already started for a longer pass serve a shorter one)."""
+        """The worker processes a pass of ``batches`` batches decodes with, and why (under
+        ``"auto"``, workers already started for a longer pass serve a shorter one)."""
         if self.options.num_workers != "auto":
             return int(self.options.num_workers), "as configured"
         if self._run_workers is not None:
