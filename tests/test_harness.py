@@ -177,8 +177,8 @@ def test_torchruns_workers_run_warm_exit_as_they_did_get_its_signals_and_die_wit
         while len(ranks) < 2:
             line = proc.stdout.readline()
             assert line, f"torchrun ended before both workers started:\n{proc.communicate(timeout=30)[0]}"
-            if line.startswith("rank ") and " pid " in line:
-                rank, _, pid, _, preloaded, stand_in = line.split()[1:]
+            # By pattern: the two workers write to one pipe, and a line of one can run into another's.
+            for rank, pid, preloaded, stand_in in re.findall(r"rank (\d+) pid (\d+) torch (True|False) (\S+)", line):
                 ranks[int(rank)] = (int(pid), preloaded == "True", stand_in)
         return proc, ranks
 
