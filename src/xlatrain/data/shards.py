@@ -1482,15 +1482,15 @@ class ShardDataset:
 
     def _source(self, tasks: list[_Task]) -> Iterator[Any]:
         opts = self.options
-        num_workers, why = self.decode_workers(len(tasks))
+        num_workers = self.decode_workers(len(tasks))[0]
         if num_workers == 0:
             self.close()  # workers an earlier pass started: none is asked for now
             return _read_ahead(self._reader, tasks, opts.prefetch_batches)
         slot_bytes = math.prod(self._reader.batch_shape(max(len(t.positions) for t in tasks)))
         workers = self._workers
         # An 'auto' pass is served by as many workers as a longer one started; a number given is kept.
-        other = len(workers._conns) < num_workers or (why == "as configured" and len(workers._conns) != num_workers) \
-            if workers is not None else True
+        given = self.options.num_workers != "auto" or self._run_workers is not None
+        other = workers is None or len(workers._conns) < num_workers or (given and len(workers._conns) != num_workers)
         if workers is None or workers.broken or workers.slots.slot_bytes < slot_bytes or other:
             # First pass, a dead worker, larger batches than the slots hold, another count: start afresh.
             self.close()

@@ -141,7 +141,7 @@ def check_resumable(trainer: Trainer, path: Path, tensors: dict[str, torch.Tenso
                          f"{_global_batch_hint(trainer, old)}{ways_on}")
     was, now = old.get("trainer", {}).get("epochs"), trainer.config.epochs
     if trainer.scheduler is not None:
-        _refuse_a_schedule_of_another_length(trainer, path, meta, was, now)
+        _check_schedule_length(trainer, path, meta, was, now)
     if continued:
         trainer._say(f"resuming with changed settings: {'; '.join(continued)}")
 
@@ -223,8 +223,7 @@ def _lengths_that_differ(fresh: Any, saved: Any, where: str = "") -> list[str]:
     return out
 
 
-def _refuse_a_schedule_of_another_length(trainer: Trainer, path: Path, meta: dict[str, Any], was: int | None,
-                                         now: int) -> None:
+def _check_schedule_length(trainer: Trainer, path: Path, meta: dict[str, Any], was: int | None, now: int) -> None:
     """More (or fewer) epochs, and a schedule whose saved settings hold the run's length (they
     differ from a schedule built now): restored, it keeps the old length (a cosine reaches its
     floor at the old last epoch and stays there; OneCycleLR raises at its first step past its end).
