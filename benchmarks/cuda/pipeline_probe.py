@@ -1,8 +1,7 @@
 """Where the PE recipe's images/s go on CUDA, beside the device-resident loop, alternating in one
-process: the Trainer at its defaults (its 4 MiB page-locked batches copied on the compute stream,
-one batch ahead); the Trainer with every batch copied on a side stream (``side_stream``:
-``SIDE_STREAM_BYTES`` set to 0); a hand loop over the same shard reader (its pinning thread, a
-non-blocking copy, the device-resident side's step); the device-resident step while the reader's
+process: the Trainer at its defaults (each batch copied on a side stream, one batch ahead); a
+hand loop over the same shard reader (its pinning thread, a non-blocking copy, the
+device-resident side's step); the device-resident step while the reader's
 batches are taken and dropped (``reader_idle``: what the reader's threads and processes cost the
 launching thread, no copy); and the device-resident loop. Per side: images/s over the steps after
 two of warm-up, held against the mean of the device-resident windows before and after it; the
@@ -11,8 +10,9 @@ launch-bound: what that thread spends the GPU waits), after the warm-up; and the
 collections in the window. Prints the host's CPU topology first. Run from the repository root:
 ``python benchmarks/cuda/pipeline_probe.py`` (``STUDIES=N``, ``ROUNDS=N``; ``DIAG_DEV=cpu`` for a
 smoke run on the CPU). Sections 6 and 9 of NVIDIA-H200-2026-11-27.log are earlier versions' output:
-in section 9 the Trainer's default was the side stream (``trainer``) and ``plain`` copied on the
-compute stream, as its default does now; section 6 compared 15 and 4 decode workers.
+in section 9 ``plain`` copied on the compute stream (the Trainer's default from then until
+2026-11-28, when the side stream came back: benchmarks/cuda/NVIDIA-H200-2026-11-28.log); section 6
+compared 15 and 4 decode workers.
 """
 import gc, json, os, statistics, subprocess, sys, tempfile, time
 sys.path.insert(0, os.getcwd()); sys.path.insert(0, os.path.join(os.getcwd(), "src"))
@@ -71,13 +71,11 @@ def timed_feed(kind):
 
 timed = timed_feed(native._CudaPrefetcher)
 native._CudaPrefetcher = timed  # what the runtime wraps a CUDA loader in
-default_bytes = native.SIDE_STREAM_BYTES
 collections: list[int] = []
 gc.callbacks.append(lambda phase, info: collections.append(info["generation"]) if phase == "start" else None)
 
 
-def trainer_side(trainer, train, val, side_stream_bytes):
-    native.SIDE_STREAM_BYTES = side_stream_bytes
+def trainer_side(trainer, train, val):
     step_s.clear(); fetch_s.clear(); collections.clear()
     row = trainer.fit(train, val, resume="overwrite")[-1]
     rep = json.loads((trainer.run_dir / "diagnostics.json").read_text())
@@ -146,15 +144,13 @@ with tempfile.TemporaryDirectory() as root:
     def reader(r):
         return parts.train_data.train_batches(loader_batch=rows_b, num_processes=1, process_index=0, seed=r, epoch=1)
 
-    sides = ["trainer", "side_stream", "hand", "reader_idle"]
+    sides = ["trainer", "hand", "reader_idle"]
     resident = [loop(trainer, None, steps, rows_b)]
     for r in range(ROUNDS):
         order = sides[r % len(sides):] + sides[:r % len(sides)]
         for side in order:
             if side == "trainer":
-                figures = trainer_side(trainer, parts.train_data, parts.val_data, default_bytes)
-            elif side == "side_stream":
-                figures = trainer_side(trainer, parts.train_data, parts.val_data, 0)
+                figures = trainer_side(trainer, parts.train_data, parts.val_data)
             else:
                 batches = reader(r)
                 figures = loop(trainer, batches, steps, rows_b, use=side == "hand")

@@ -18,7 +18,7 @@ import torch
 from xlatrain.backend.base import _b64, _unb64, host_rng_state, seed_host, set_host_rng_state
 from xlatrain.backend.errors import BackendUnavailableError
 from xlatrain.backend.processes import PROCESS_GROUP
-from xlatrain.tree import tree_flatten, tree_map
+from xlatrain.tree import tree_map
 
 # torch.compile backends: TorchTPU's "tpu" takes static shapes only (dynamic=True raises there).
 COMPILE = {"cpu": {}, "cuda": {}, "tpu": {"backend": "tpu", "dynamic": False}}
@@ -242,52 +242,25 @@ class _DeviceFeed:
         return t.to(self._device, non_blocking=True) if isinstance(t, torch.Tensor) else t
 
 
-# A page-locked batch under this size is copied on the compute stream, a larger or pageable one on
-# a side stream. The side stream's handling cost the launching thread 0.24 ms a batch on an H200
-# host (the PE recipe's 4 MiB batches: 0.67-0.79 ms to take one, against 0.43-0.55 copied in
-# stream), which a step bound by its launching thread pays in full; a step the GPU bounds gains by
-# the side stream instead (its copy runs beside the kernels, not between them). Small batches
-# mostly feed launch-bound steps and large ones GPU-bound steps: reckoned from a page-locked copy's
-# 25-50 GB/s (not measured here), a 4 MiB copy holds the compute stream 0.1-0.2 ms, a 16 MiB one
-# 0.3-0.7 ms, more than the side stream costs the host. A pageable batch always takes the side
-# stream: CUDA synchronizes the stream a pageable copy is issued on, which on the compute stream
-# would make the host wait for every step queued before it.
-SIDE_STREAM_BYTES = 16 << 20
-
-
-def _tensors(batch: Any) -> list[torch.Tensor]:
-    return [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
-
-
-def batch_bytes(batch: Any) -> int:
-    """Bytes of the tensors in ``batch`` (any nesting of lists, tuples, dicts, dataclasses)."""
-    return sum(t.numel() * t.element_size() for t in _tensors(batch))
-
-
-def copies_in_stream(batch: Any) -> bool:
-    """Whether a CUDA feed of batches like ``batch`` copies them on the compute stream: every
-    tensor of it page-locked (or already on a GPU), and all together under :data:`SIDE_STREAM_BYTES`."""
-    return batch_bytes(batch) < SIDE_STREAM_BYTES and all(t.is_cuda or t.is_pinned() for t in _tensors(batch))
-
-
 class _CudaPrefetcher(_DeviceFeed):
-    """Starts the next batch's copy to the GPU before the current batch is used, without blocking
-    the host: page-locked batches under :data:`SIDE_STREAM_BYTES` on the compute stream, queued
-    ahead of the step that uses them; larger or pageable ones on a side stream, beside the
-    compute, which the compute stream waits for. Chosen on the first batch: the others are alike."""
+    """Copies the next batch to the GPU on a side stream while the current one computes; the
+    compute stream waits for the copy's event before the step that uses it.
+
+    Every batch takes the side stream. Copying small page-locked batches on the compute stream
+    instead, one batch ahead, saved the launching thread 0.24 ms a batch on an H200 host (the PE
+    recipe's 4 MiB batches), but it held the 85M LM benchmark, compiled, at 0.68-0.89 of the hand
+    loop's tokens/s on an H200 in three runs, where the side stream gave 1.00-1.07 in the same run
+    as the 0.68-0.73 (benchmarks/cuda/NVIDIA-H200-2026-11-28.log); why was not found. A pageable batch could never
+    go on the compute stream: CUDA synchronizes the stream a pageable copy is issued on, which
+    would make the host wait for every step queued before it."""
 
     def __iter__(self) -> Iterator[Any]:
-        stream = None
+        stream = torch.cuda.Stream(self._device)
         pending = None
         for batch in self._loader:
-            if stream is None and pending is None and not copies_in_stream(batch):
-                stream = torch.cuda.Stream(self._device)
-            if stream is not None:
-                with torch.cuda.stream(stream):
-                    on_device = tree_map(self._copy, batch)
-                ready = (on_device, stream.record_event())
-            else:
-                ready = (tree_map(self._copy, batch), None)
+            with torch.cuda.stream(stream):
+                on_device = tree_map(self._copy, batch)
+            ready = (on_device, stream.record_event())
             if pending is not None:
                 yield self._ready(*pending)
             pending = ready
@@ -296,8 +269,6 @@ class _CudaPrefetcher(_DeviceFeed):
 
     @staticmethod
     def _ready(batch: Any, copied: Any) -> Any:
-        if copied is None:
-            return batch  # copied on the compute stream: in order with the work that uses it
         current = torch.cuda.current_stream()
         current.wait_event(copied)
         # The tensors were allocated on the side stream; tell the allocator they are used here.
