@@ -103,6 +103,29 @@ def test_multilabel_reports_per_label_auc_and_the_mean(tmp_path):
     assert trainer.monitor == "val_mean_auc"
 
 
+
+def test_label_names_under_a_classification_task_are_said_to_name_nothing(tmp_path, caplog):
+    """label_names name a multilabel task's AUC columns: a run whose task turns out to be
+    classification says so before its first step, and one that is multilabel says nothing."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(48, 4, generator=g), torch.randint(0, 3, (48,), generator=g)
+
+    def fit(loss, targets, name):
+        Trainer(_mlp(dim=4, out=3), loss, functools.partial(torch.optim.SGD, lr=0.1),
+                config=TrainConfig(epochs=1, batch_size=16, run_dir=str(tmp_path / name)), backend="cpu",
+                label_names=["a", "b", "c"]).fit(TensorDataset(x, targets))
+
+    with caplog.at_level(logging.INFO, logger="xlatrain"):
+        fit(nn.CrossEntropyLoss(), y, "classification")
+    note = [r.getMessage() for r in caplog.records if r.getMessage().startswith("note: label_names")]
+    assert note == ["note: label_names (a, b, c) name a multilabel task's per-label AUC columns (val_auc_<name>); "
+                    "this run's task is 'classification', so they name no column. Set task='multilabel' "
+                    "(trainer.task) if the outputs are independent labels"]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="xlatrain"):
+        fit(nn.BCEWithLogitsLoss(), nn.functional.one_hot(y, 3).float(), "multilabel")
+    assert not [r for r in caplog.records if r.getMessage().startswith("note: label_names")]
+
 def test_roc_auc_matches_the_pairwise_definition_with_ties():
     scores = torch.tensor([0.1, 0.4, 0.35, 0.8, 0.4, 0.4]).numpy()
     labels = torch.tensor([0, 0, 1, 1, 1, 0]).numpy()

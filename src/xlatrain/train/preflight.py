@@ -75,7 +75,19 @@ def prepare(trainer: Trainer, train_data: Any, val_data: Any | None) -> tuple[pe
         rt.set_rng_state(rng)
         set_host_rng_state(host_rng)
     check_monitor(trainer, val_data, names)
+    _note_unused_label_names(trainer)
     return plan(trainer, train_data, profile, flops, flops_source, tokens, state, gathered)
+
+
+def _note_unused_label_names(trainer: Trainer) -> None:
+    """``label_names`` name a multilabel task's per-label AUC columns: under another task, say
+    that they name nothing rather than drop them silently."""
+    if trainer.label_names is not None and trainer.task != "multilabel":
+        trainer._say(
+            f"note: label_names ({', '.join(trainer.label_names[:4])}{', ...' if len(trainer.label_names) > 4 else ''}) "
+            f"name a multilabel task's per-label AUC columns (val_auc_<name>); this run's task is {trainer.task!r}, "
+            "so they name no column. Set task='multilabel' (trainer.task) if the outputs are independent labels"
+        )
 
 
 def dry_run(trainer: Trainer, train_data: Any | None, val_data: Any | None) -> None:
