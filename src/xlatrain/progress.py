@@ -80,7 +80,8 @@ class IntervalMeter:
             its own mean; ``None`` with ``start_step`` > 0 makes that first interval the epoch
             mean instead.
         skipped_out: ``nan_policy='skip_step'``: a non-finite step adds nothing to the loss sum,
-            and means are over the steps that counted (as the epoch's ``train_loss`` is).
+            and means are over the steps that counted (as the epoch's ``train_loss`` is); NaN
+            where none did.
         processes: the processes whose mean non-finite count ``measure`` gets; the count said is
             their total.
     """
@@ -101,13 +102,14 @@ class IntervalMeter:
         now = time.perf_counter()
         done = step - self._last_step
 
-        def counted(steps: float, bad: float) -> float:
-            return max(steps - (bad if self._skipped_out else 0.0), 1.0)
+        def mean(total: float, steps: float, bad: float) -> float:  # NaN where no step counted: none to average
+            counted = steps - (bad if self._skipped_out else 0.0)
+            return total / counted if counted > 0 else math.nan
 
         rate = done * self._samples_per_step / max(now - self._last_time, 1e-9) if self._last_step >= self._warm_until \
             else None
-        epoch_loss = loss_sum / counted(step, nonfinite)
-        interval_loss = (loss_sum - self._last_sum) / counted(done, nonfinite - self._last_bad) \
+        epoch_loss = mean(loss_sum, step, nonfinite)
+        interval_loss = mean(loss_sum - self._last_sum, done, nonfinite - self._last_bad) \
             if self._last_sum is not None and done > 0 else epoch_loss
         self._last_step, self._last_sum, self._last_time, self._last_bad = step, loss_sum, now, nonfinite
         return IntervalStats(step, epoch_loss, interval_loss, rate, round(nonfinite * self._processes))

@@ -290,6 +290,58 @@ def test_nan_policy_skip_step_leaves_weights_finite_and_counts_the_loss_out(tmp_
     assert last["loss"] == pytest.approx((7 * last["epoch_loss"] - 4 * first["epoch_loss"]) / 3, rel=1e-5)
 
 
+
+class _Watched(NanAtStep):
+    """NanAtStep that also keeps each training step's finite loss and the weights it ran with."""
+
+    def __init__(self, step, batch=5):
+        super().__init__(step, batch)
+        self.losses, self.weights = {}, {}
+
+    def __call__(self, outputs, targets, reduction="mean"):
+        loss = super().__call__(outputs, targets, reduction)
+        if torch.is_grad_enabled() and len(targets) == self.batch:
+            self.losses[self.calls] = float(loss)
+            self.weights[self.calls] = self.model.weight.detach().clone()
+        return loss
+
+
+def test_skip_step_under_accumulation_skips_the_whole_group_and_counts_none_of_it(tmp_path):
+    """A NaN in the middle micro-batch of a group of 4: the group's optimizer step is skipped and
+    all 4 of its micro-batches are left out of the means, its finite ones included (they had
+    counted, and the last one's finite loss had not, its gradients' norm being NaN)."""
+    heard = []
+
+    class Intervals:
+        def on_interval(self, trainer, values):
+            heard.append(values)
+
+    loss_fn = _Watched(6)
+    trainer = _tiny_trainer(tmp_path, loss_fn, batch_size=5, nan_policy="skip_step", grad_accum_steps=4, log_every=3,
+                            checkpoint=False, callbacks=[Intervals()])
+    loss_fn.model = trainer.model
+    row = trainer.fit(_tiny_data())[0]
+    assert sorted(loss_fn.losses) == list(range(1, 9)) and math.isnan(loss_fn.losses[6])
+    assert row["nonfinite_steps"] == 4
+    first_group = sum(loss_fn.losses[s] for s in range(1, 5)) / 4
+    assert row["train_loss"] == pytest.approx(first_group, rel=1e-6)
+    # The reads due at steps 3 and 6 wait for their groups' ends (4, and the epoch's end at 8): the
+    # second interval's steps all went with the skipped group, so it has no loss to average.
+    assert [(v["step"], v["nonfinite_steps"]) for v in heard] == [(4, 0), (8, 4)]
+    assert heard[0]["loss"] == pytest.approx(first_group, rel=1e-6)
+    assert math.isnan(heard[1]["loss"]) and heard[1]["epoch_loss"] == pytest.approx(first_group, rel=1e-6)
+    # Steps 1-4 moved the weights (the first group's step); steps 5-8 did not (the second's, skipped).
+    assert not torch.equal(loss_fn.weights[1], loss_fn.weights[5])
+    assert torch.equal(trainer.model.weight.detach(), loss_fn.weights[5])
+    # A group whose every loss is finite counts all of its micro-batches: the same run without the NaN.
+    clean = _Watched(0)
+    trainer = _tiny_trainer(tmp_path / "clean", clean, batch_size=5, nan_policy="skip_step", grad_accum_steps=4,
+                            checkpoint=False)
+    clean.model = trainer.model
+    row = trainer.fit(_tiny_data())[0]
+    assert "nonfinite_steps" not in row
+    assert row["train_loss"] == pytest.approx(sum(clean.losses.values()) / 8, rel=1e-6)
+
 def test_nan_policy_ignore_trains_on_and_reports_nan(tmp_path):
     trainer = _tiny_trainer(tmp_path, NanAtStep(5), batch_size=5, nan_policy="ignore")
     history = trainer.fit(_tiny_data())

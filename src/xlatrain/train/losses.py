@@ -1,6 +1,7 @@
 """Losses as users write them: a scalar, or named terms plus a total; per sample or per batch.
 (A model that computes its own loss is read by :mod:`xlatrain.train.model_io`; evaluation then
-averages its per-batch loss over the batch's real rows.)
+averages its per-batch loss over the batch's real rows.) Training adds each step's loss and terms
+to running sums on the device (:func:`add_to_sums`).
 
 ``loss_fn(outputs, targets)`` may return
 
@@ -134,3 +135,47 @@ class EvalLoss:
         with torch.no_grad():
             total, terms = loss_terms(loss_fn(outputs, targets))
         return {"loss": float(total), **{k: float(v) for k, v in terms.items()}}
+
+
+
+def add_to_sums(sums: dict[str, torch.Tensor], values: dict[str, torch.Tensor], finite: torch.Tensor,
+                *, skip: bool, group: SkippedGroup | None = None, last_micro: bool = True) -> None:
+    """One micro-batch's loss and terms (``values``) into the epoch's running sums on the device,
+    and whether it was non-finite into ``sums["nonfinite"]``; no read of the device. Under
+    ``nan_policy='skip_step'`` (``skip``) a non-finite micro-batch adds nothing, so the means are
+    over the steps that counted; with gradient accumulation, ``group`` makes that hold for whole
+    accumulation groups (:class:`SkippedGroup`)."""
+    if group is not None and last_micro:
+        group.close(sums, values, finite)
+        return
+    for name, value in values.items():
+        sums[name] = sums[name] + (torch.where(finite, value, 0.0) if skip else value)
+    sums["nonfinite"] = sums["nonfinite"] + (~finite).float()
+
+
+class SkippedGroup:
+    """``nan_policy='skip_step'`` under gradient accumulation: the running sums as the accumulation
+    group under way began. A group whose optimizer step is skipped (a NaN/Inf loss in any of its
+    micro-batches, or in the gradients' norm) puts the sums back there and counts all of its
+    micro-batches as skipped; a group whose step is taken keeps them all. The means are then over
+    the micro-batches whose step was taken, with no read of the device, and the micro-batches
+    before a group's last run the same operations as without accumulation. A progress read due
+    inside a group waits for its last micro-batch, so that no interval holds part of one (a group
+    counted in one interval and taken back in the next)."""
+
+    def __init__(self, sums: dict[str, torch.Tensor], micro_batches: int) -> None:
+        self._start = dict(sums)  # the sums' tensors, never written in place: each step makes new ones
+        self._micro_batches = micro_batches
+
+    def step_taken(self, sums: dict[str, torch.Tensor], finite: torch.Tensor) -> torch.Tensor:
+        """Whether the group's optimizer step is taken, before its last micro-batch joins ``sums``:
+        that one's ``finite`` (its loss and the gradients' norm) and every earlier one's loss finite."""
+        return finite & (sums["nonfinite"] == self._start["nonfinite"])
+
+    def close(self, sums: dict[str, torch.Tensor], values: dict[str, torch.Tensor], finite: torch.Tensor) -> None:
+        """The group's last micro-batch (``finite``: its own loss and the gradients' norm)."""
+        taken = self.step_taken(sums, finite)
+        for name, value in values.items():
+            sums[name] = torch.where(taken, sums[name] + value, self._start[name])
+        sums["nonfinite"] = torch.where(taken, sums["nonfinite"], self._start["nonfinite"] + self._micro_batches)
+        self._start = dict(sums)

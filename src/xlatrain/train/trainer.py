@@ -45,7 +45,7 @@ from xlatrain.train.callbacks import Callbacks
 from xlatrain.train.checks import check_arguments, check_dataset, check_pipeline_arguments, in_step
 from xlatrain.train.ema import EMA_KEY, EMA_WEIGHTS, WeightAverage, recomputed_batch_norm
 from xlatrain.train.feed import TrainFeed, channels_last_choice, eval_batches, follow_num_workers, to_channels_last
-from xlatrain.train.losses import EvalLoss
+from xlatrain.train.losses import EvalLoss, SkippedGroup, add_to_sums
 from xlatrain.train.metrics import EvalAccumulator, RowCollector, as_float, default_monitor, infer_task
 from xlatrain.train.model_io import ForwardSignature, ModelIO, no_grad_message
 from xlatrain.train.observers import (DiagnosticsObserver, Observers, ProgressObserver, TensorBoardObserver,
@@ -415,7 +415,8 @@ class Trainer:
                             fn(step, ep.before + step, input_wait_s)
                         if step == ep.clock.mark_step:  # the warm-up steps are done once the device ran them
                             rt.defer(ep.clock.mark, [])
-                        if step % cfg.log_every == 0 and step < num_steps:
+                        span = accum if self._group is not None else 1  # skip_step's groups are read whole
+                        if step % span == 0 and step // cfg.log_every != (step - span) // cfg.log_every and step < num_steps:
                             # A micro step is plotted at its coming optimizer step, so every point
                             # logged after a checkpoint at step T lies after T.
                             show = self._interval(ep.meter, epoch, ep.last_logged + 1, step,
@@ -585,8 +586,8 @@ class Trainer:
             self._interval(ep.meter, cursor.epoch, ep.last_logged + 1, ran, cursor.global_step)(
                 totals[names.index("loss")], bad)
         self._check_nonfinite(float(bad) * st.num_processes, cursor.epoch, 1, ran)  # every process's, in all
-        good_steps = max(ran - float(bad) if cfg.nan_policy == "skip_step" else ran, 1)
-        row = {"train_" + name.removeprefix("term."): float(total) / good_steps for name, total in zip(names, totals)}
+        good = ran - float(bad) if cfg.nan_policy == "skip_step" else max(ran, 1)  # skip_step: NaN if none counted
+        row = {"train_" + n.removeprefix("term."): float(t) / good if good > 0 else math.nan for n, t in zip(names, totals)}
         row.update({"nonfinite_steps": round(float(bad) * st.num_processes)} if bad and cfg.nan_policy == "skip_step" else {})
         if ran <= first_step:  # resumed at the epoch's end: none of its steps ran in this fit, no rate to give
             return row
@@ -737,9 +738,7 @@ class Trainer:
     # --- one step --------------------------------------------------------------------------
     def _train_step(self, batch: Any, cursor: Cursor, step: int, last_micro: bool, sums: dict[str, torch.Tensor]) -> None:
         """One micro-batch: forward, loss, backward, and on the last micro-batch the optimizer step.
-
-        Nothing here reads the device: the loss and its terms are added to ``sums`` on it.
-        """
+        Nothing here reads the device: the loss and its terms are added to ``sums`` on it."""
         cfg, rt, st, model, opt = self.config, self.runtime, self.strategy, self.model, self.optimizer
         accum, guard = cfg.grad_accum_steps, cfg.nan_policy == "skip_step"
         batch = self._on_device(batch, training=True)
@@ -763,6 +762,7 @@ class Trainer:
             )
         loss = loss.detach().float()
         finite = torch.isfinite(loss)
+        group = self._group = (self._group or SkippedGroup(sums, accum)) if guard and accum > 1 else None
         if last_micro:
             st.reduce_gradients(opt)
             scaler = self.grad_scaler
@@ -780,16 +780,15 @@ class Trainer:
                     scaler.step(opt)
                 scaler.update()
             else:
-                st.optimizer_step(opt, finite if guard else None)
+                st.optimizer_step(opt, (group.step_taken(sums, finite) if group else finite) if guard else None)
             opt.zero_grad(set_to_none=True)
             if self.scheduler is not None and cfg.scheduler_interval == "step":
                 self.scheduler.step()
             cursor.global_step += 1
             if self.ema is not None:
                 self.ema.after_step(cursor.global_step, step // accum, cursor.epoch)
-        for name, value in (("loss", loss), *((f"term.{t}", v.detach().float()) for t, v in terms.items())):
-            sums[name] = sums[name] + (torch.where(finite, value, 0.0) if guard else value)
-        sums["nonfinite"] = sums["nonfinite"] + (~finite).float()
+        values = {"loss": loss, **{f"term.{t}": v.detach().float() for t, v in terms.items()}}
+        add_to_sums(sums, values, finite, skip=guard, group=group, last_micro=last_micro)
         rt.step_end()
         cursor.step = step
 
@@ -824,6 +823,7 @@ class Trainer:
         # of an epoch has the same structure (on XLA, the same graph). Made on the host and sent
         # as data: zeros made on an XLA device would be a small graph of their own to compile.
         names = ["loss", "nonfinite", *(f"term.{t}" for t in self._term_names)]
+        self._group = None  # skip_step's accumulation group: a new one with the new sums
         return {name: torch.zeros(()).to(self.runtime.device) for name in names}
 
     def _interval(self, meter: IntervalMeter, epoch: int, first: int, step: int,
