@@ -66,7 +66,7 @@ class IntervalStats:
     epoch_loss: float  # mean training loss over the epoch's steps so far
     interval_loss: float  # mean training loss over the steps since the previous read
     samples_per_s: float | None  # samples since the previous read over the time since then; None in warm-up
-    nonfinite: int  # steps of this epoch so far whose loss or gradient norm was NaN/Inf
+    nonfinite: int  # steps of this epoch so far with a NaN/Inf loss or gradient norm (skip_step: steps skipped)
 
 
 class IntervalMeter:

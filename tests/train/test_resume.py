@@ -306,22 +306,24 @@ class _Watched(NanAtStep):
         return loss
 
 
-def test_skip_step_under_accumulation_skips_the_whole_group_and_counts_none_of_it(tmp_path):
-    """A NaN in the middle micro-batch of a group of 4: the group's optimizer step is skipped and
-    all 4 of its micro-batches are left out of the means, its finite ones included (they had
-    counted, and the last one's finite loss had not, its gradients' norm being NaN)."""
+@pytest.mark.parametrize("nan_at", [5, 6, 8], ids=["first", "middle", "last"])
+def test_skip_step_under_accumulation_skips_the_whole_group_and_counts_none_of_it(tmp_path, nan_at):
+    """A NaN in the first, a middle or the last micro-batch of a group of 4: the group's optimizer
+    step is skipped and all 4 of its micro-batches are left out of the means, its finite ones
+    included (the earlier ones had counted; the last one's finite loss had not, its gradients'
+    norm being NaN)."""
     heard = []
 
     class Intervals:
         def on_interval(self, trainer, values):
             heard.append(values)
 
-    loss_fn = _Watched(6)
+    loss_fn = _Watched(nan_at)
     trainer = _tiny_trainer(tmp_path, loss_fn, batch_size=5, nan_policy="skip_step", grad_accum_steps=4, log_every=3,
                             checkpoint=False, callbacks=[Intervals()])
     loss_fn.model = trainer.model
     row = trainer.fit(_tiny_data())[0]
-    assert sorted(loss_fn.losses) == list(range(1, 9)) and math.isnan(loss_fn.losses[6])
+    assert sorted(loss_fn.losses) == list(range(1, 9)) and math.isnan(loss_fn.losses[nan_at])
     assert row["nonfinite_steps"] == 4
     first_group = sum(loss_fn.losses[s] for s in range(1, 5)) / 4
     assert row["train_loss"] == pytest.approx(first_group, rel=1e-6)

@@ -110,10 +110,10 @@ def test_label_names_under_a_classification_task_are_said_to_name_nothing(tmp_pa
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(48, 4, generator=g), torch.randint(0, 3, (48,), generator=g)
 
-    def fit(loss, targets, name):
+    def fit(loss, targets, name, names=("a", "b", "c")):
         Trainer(_mlp(dim=4, out=3), loss, functools.partial(torch.optim.SGD, lr=0.1),
                 config=TrainConfig(epochs=1, batch_size=16, run_dir=str(tmp_path / name)), backend="cpu",
-                label_names=["a", "b", "c"]).fit(TensorDataset(x, targets))
+                label_names=names).fit(TensorDataset(x, targets))
 
     with caplog.at_level(logging.INFO, logger="xlatrain"):
         fit(nn.CrossEntropyLoss(), y, "classification")
@@ -121,6 +121,10 @@ def test_label_names_under_a_classification_task_are_said_to_name_nothing(tmp_pa
     assert note == ["note: label_names (a, b, c) name a multilabel task's per-label AUC columns (val_auc_<name>); "
                     "this run's task is 'classification', so they name no column. Set task='multilabel' "
                     "(trainer.task) if the outputs are independent labels"]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="xlatrain"):
+        fit(nn.CrossEntropyLoss(), y, "numbers", names=[0, 1, 2])  # names as the multilabel columns take them
+    assert any(r.getMessage().startswith("note: label_names (0, 1, 2) name") for r in caplog.records)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="xlatrain"):
         fit(nn.BCEWithLogitsLoss(), nn.functional.one_hot(y, 3).float(), "multilabel")

@@ -497,6 +497,27 @@ def test_channels_last_puts_the_model_and_the_image_batches_in_that_memory_order
     assert runs[True][0]["train_loss"] == pytest.approx(runs[False][0]["train_loss"], rel=1e-5)
 
 
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("accum", [1, 2])
+def test_skip_step_skips_on_every_process_when_one_finds_its_loss_non_finite(tmp_path, accum):
+    """Rank 1 alone has a NaN loss (its gradients finite): the step is skipped on both processes,
+    so their weights stay equal, and the skipped step is counted once, not once per process."""
+    import json
+    import shutil
+    import sys
+    from pathlib import Path
+
+    from conftest import SCRIPTS, run_command
+
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    run_command([torchrun, "--nproc-per-node", "2", "--master-port", "0", "--standalone",
+                 str(SCRIPTS / "skip_agree.py"), str(tmp_path), str(accum)], timeout=300)
+    ranks = [json.loads((tmp_path / f"skip-{rank}.json").read_text()) for rank in (0, 1)]
+    assert ranks[0]["weights"] == ranks[1]["weights"]
+    assert ranks[0]["row"]["nonfinite_steps"] == accum  # one optimizer step: its micro-batches, once
+    assert ranks[0]["row"]["train_loss"] == ranks[1]["row"]["train_loss"] < float("inf")
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_every_process_makes_the_same_host_reads(tmp_path, strategy):

@@ -249,8 +249,9 @@ class _CudaPrefetcher(_DeviceFeed):
     Every batch takes the side stream. Copying small page-locked batches on the compute stream
     instead, one batch ahead, saved the launching thread 0.24 ms a batch on an H200 host (the PE
     recipe's 4 MiB batches), but it held the 85M LM benchmark, compiled, at 0.68-0.89 of the hand
-    loop's tokens/s on an H200 in three runs, where the side stream gave 1.00-1.07 in the same run
-    as the 0.68-0.73 (benchmarks/cuda/NVIDIA-H200-2026-11-28.log); why was not found. A pageable batch could never
+    loop's tokens/s on an H200 in three runs, where the side stream gave 1.00-1.07 on the same
+    machine just before the 0.68-0.73 (benchmarks/cuda/NVIDIA-H200-2026-11-28.log); why was not
+    found. A pageable batch could never
     go on the compute stream: CUDA synchronizes the stream a pageable copy is issued on, which
     would make the host wait for every step queued before it."""
 

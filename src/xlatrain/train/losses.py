@@ -138,6 +138,16 @@ class EvalLoss:
 
 
 
+
+def new_sums(term_names: list[str], device: torch.device) -> dict[str, torch.Tensor]:
+    """An epoch's running sums on ``device``, at zero: the loss, the count of non-finite steps and
+    each of the loss's named terms. Every sum exists from the first step, the terms included, so
+    each step of an epoch has the same structure (on XLA, the same graph). Made on the host and
+    sent as data: zeros made on an XLA device would be a small graph of their own to compile."""
+    names = ["loss", "nonfinite", *(f"term.{t}" for t in term_names)]
+    return {name: torch.zeros(()).to(device) for name in names}
+
+
 def add_to_sums(sums: dict[str, torch.Tensor], values: dict[str, torch.Tensor], finite: torch.Tensor,
                 *, skip: bool, group: SkippedGroup | None = None, last_micro: bool = True) -> None:
     """One micro-batch's loss and terms (``values``) into the epoch's running sums on the device,
@@ -146,7 +156,7 @@ def add_to_sums(sums: dict[str, torch.Tensor], values: dict[str, torch.Tensor], 
     over the steps that counted; with gradient accumulation, ``group`` makes that hold for whole
     accumulation groups (:class:`SkippedGroup`)."""
     if group is not None and last_micro:
-        group.close(sums, values, finite)
+        group.close(sums, values, taken=finite)
         return
     for name, value in values.items():
         sums[name] = sums[name] + (torch.where(finite, value, 0.0) if skip else value)
@@ -161,7 +171,10 @@ class SkippedGroup:
     the micro-batches whose step was taken, with no read of the device, and the micro-batches
     before a group's last run the same operations as without accumulation. A progress read due
     inside a group waits for its last micro-batch, so that no interval holds part of one (a group
-    counted in one interval and taken back in the next)."""
+    counted in one interval and taken back in the next). A group an epoch cuts short (its source
+    gave fewer batches than it announced, which the run warns of) reaches no step and keeps its
+    finite micro-batches in the means. Under fp16 the GradScaler decides the step from the
+    gradients; the means follow the losses and the gradients' norm as without it."""
 
     def __init__(self, sums: dict[str, torch.Tensor], micro_batches: int) -> None:
         self._start = dict(sums)  # the sums' tensors, never written in place: each step makes new ones
@@ -172,9 +185,9 @@ class SkippedGroup:
         that one's ``finite`` (its loss and the gradients' norm) and every earlier one's loss finite."""
         return finite & (sums["nonfinite"] == self._start["nonfinite"])
 
-    def close(self, sums: dict[str, torch.Tensor], values: dict[str, torch.Tensor], finite: torch.Tensor) -> None:
-        """The group's last micro-batch (``finite``: its own loss and the gradients' norm)."""
-        taken = self.step_taken(sums, finite)
+    def close(self, sums: dict[str, torch.Tensor], values: dict[str, torch.Tensor], *, taken: torch.Tensor) -> None:
+        """The group's last micro-batch, ``taken`` the decision on its step (:meth:`step_taken`, the
+        same on every process)."""
         for name, value in values.items():
             sums[name] = torch.where(taken, sums[name] + value, self._start[name])
         sums["nonfinite"] = torch.where(taken, sums["nonfinite"], self._start["nonfinite"] + self._micro_batches)

@@ -84,7 +84,7 @@ def _note_unused_label_names(trainer: Trainer) -> None:
     that they name nothing rather than drop them silently."""
     if trainer.label_names is not None and trainer.task != "multilabel":
         trainer._say(
-            f"note: label_names ({', '.join(trainer.label_names[:4])}{', ...' if len(trainer.label_names) > 4 else ''}) "
+            f"note: label_names ({', '.join(map(str, trainer.label_names[:4]))}{', ...' if len(trainer.label_names) > 4 else ''}) "
             f"name a multilabel task's per-label AUC columns (val_auc_<name>); this run's task is {trainer.task!r}, "
             "so they name no column. Set task='multilabel' (trainer.task) if the outputs are independent labels"
         )

@@ -45,7 +45,7 @@ from xlatrain.train.callbacks import Callbacks
 from xlatrain.train.checks import check_arguments, check_dataset, check_pipeline_arguments, in_step
 from xlatrain.train.ema import EMA_KEY, EMA_WEIGHTS, WeightAverage, recomputed_batch_norm
 from xlatrain.train.feed import TrainFeed, channels_last_choice, eval_batches, follow_num_workers, to_channels_last
-from xlatrain.train.losses import EvalLoss, SkippedGroup, add_to_sums
+from xlatrain.train.losses import EvalLoss, SkippedGroup, add_to_sums, new_sums
 from xlatrain.train.metrics import EvalAccumulator, RowCollector, as_float, default_monitor, infer_task
 from xlatrain.train.model_io import ForwardSignature, ModelIO, no_grad_message
 from xlatrain.train.observers import (DiagnosticsObserver, Observers, ProgressObserver, TensorBoardObserver,
@@ -294,6 +294,7 @@ class Trainer:
         self._eval_loss: EvalLoss | None = None
         self._dir = RunDirectory(cfg.run_dir, self.strategy, self._say)  # chosen and locked by fit
         self._nonfinite: tuple[int, int, int, int] | None = None  # set by a deferred read
+        self._group: SkippedGroup | None = None  # skip_step's accumulation group under way
         self._config_record: dict[str, Any] = {}
         self._term_names: list[str] = []  # the loss's named terms, learnt in the dry run
         self._start_sums: tuple[float, float] | None = None  # the resumed epoch's loss sum and NaN count
@@ -557,9 +558,9 @@ class Trainer:
             self._stats_mark = self.runtime.runtime_stats()
         obs = self._observers
         clock = WarmupClock(start_step, min(warm, max(feed.steps_per_epoch - start_step - 1, 0)), time.perf_counter())
+        skip = self.config.nan_policy == "skip_step"  # its steps are skipped on every process alike: counted once
         meter = IntervalMeter(start_step, samples_per_step=self.global_batch_size, start_sums=self._start_sums,
-                              warm_until=clock.mark_step, skipped_out=self.config.nan_policy == "skip_step",
-                              processes=self.strategy.num_processes)
+                              warm_until=clock.mark_step, skipped_out=skip, processes=1 if skip else self.strategy.num_processes)
         self._start_sums = None  # later epochs start from zero
         return SimpleNamespace(
             batches=obs.batches(feed.batches(epoch, start_step), "train", epoch, start_step + 1), meter=meter,
@@ -588,7 +589,7 @@ class Trainer:
         self._check_nonfinite(float(bad) * st.num_processes, cursor.epoch, 1, ran)  # every process's, in all
         good = ran - float(bad) if cfg.nan_policy == "skip_step" else max(ran, 1)  # skip_step: NaN if none counted
         row = {"train_" + n.removeprefix("term."): float(t) / good if good > 0 else math.nan for n, t in zip(names, totals)}
-        row.update({"nonfinite_steps": round(float(bad) * st.num_processes)} if bad and cfg.nan_policy == "skip_step" else {})
+        row.update({"nonfinite_steps": round(float(bad))} if bad and cfg.nan_policy == "skip_step" else {})  # alike everywhere
         if ran <= first_step:  # resumed at the epoch's end: none of its steps ran in this fit, no rate to give
             return row
         rate, warmup_s = clock.rate(ran, self.global_batch_size, first_step)
@@ -772,6 +773,8 @@ class Trainer:
                 norm = st.clip_grad_norm(model, cfg.clip_grad_norm or math.inf)
                 if scaler is None:  # under fp16 an overflow is the scaler's to skip, not a fault
                     finite = finite & torch.isfinite(norm)
+            if guard:  # every process skips alike: replicas that stepped apart would drift
+                finite = st.all_reduce_mean((~(group.step_taken(sums, finite) if group else finite)).float()) == 0
             if scaler is not None:
                 # The scaler skips a step whose gradients overflowed (and a NaN loss's), then
                 # lowers its scale. Unless the optimizer is fused, it reads on the host whether
@@ -780,7 +783,7 @@ class Trainer:
                     scaler.step(opt)
                 scaler.update()
             else:
-                st.optimizer_step(opt, (group.step_taken(sums, finite) if group else finite) if guard else None)
+                st.optimizer_step(opt, finite if guard else None)
             opt.zero_grad(set_to_none=True)
             if self.scheduler is not None and cfg.scheduler_interval == "step":
                 self.scheduler.step()
@@ -819,12 +822,8 @@ class Trainer:
         return batch[0] if bare else batch
 
     def _new_sums(self) -> dict[str, torch.Tensor]:
-        # Every running sum exists from the first step, the loss's terms included, so each step
-        # of an epoch has the same structure (on XLA, the same graph). Made on the host and sent
-        # as data: zeros made on an XLA device would be a small graph of their own to compile.
-        names = ["loss", "nonfinite", *(f"term.{t}" for t in self._term_names)]
         self._group = None  # skip_step's accumulation group: a new one with the new sums
-        return {name: torch.zeros(()).to(self.runtime.device) for name in names}
+        return new_sums(self._term_names, self.runtime.device)
 
     def _interval(self, meter: IntervalMeter, epoch: int, first: int, step: int,
                   tb_step: int) -> Callable[[torch.Tensor, torch.Tensor], None]:
