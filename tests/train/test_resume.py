@@ -344,6 +344,76 @@ def test_skip_step_under_accumulation_skips_the_whole_group_and_counts_none_of_i
     assert "nonfinite_steps" not in row
     assert row["train_loss"] == pytest.approx(sum(clean.losses.values()) / 8, rel=1e-6)
 
+
+class _NanAt:
+    """Cross-entropy with a NaN at one training step (counted from the run's first step, the dry
+    run before it left out), its gradients NaN too or, with ``finite_grads``, finite (a NaN added
+    to the loss, detached). Keeps the weights each training step ran with."""
+
+    def __init__(self, step, finite_grads=False):
+        self.step, self.finite_grads, self.calls, self.started, self.weights = step, finite_grads, 0, False, {}
+
+    def on_fit_start(self, trainer):  # a callback too: training steps start after the dry run
+        self.started, self.model = True, trainer.model
+
+    def __call__(self, outputs, targets, reduction="mean"):
+        loss = nn.functional.cross_entropy(outputs, targets, reduction=reduction)
+        if not (self.started and torch.is_grad_enabled()):
+            return loss
+        self.calls += 1
+        self.weights[self.calls] = self.model.weight.detach().clone()
+        if self.calls != self.step:
+            return loss
+        return loss + torch.tensor(float("nan")) if self.finite_grads else loss * float("nan")
+
+
+def _skip_fit(tmp_path, loss_fn, optimizer, **cfg):
+    torch.manual_seed(0)
+    trainer = xlatrain.Trainer(
+        nn.Linear(4, 2), loss_fn, optimizer, callbacks=[loss_fn], backend="cpu",
+        config=xlatrain.TrainConfig(run_dir=str(tmp_path), epochs=1, batch_size=5, log_every=100, nan_policy="skip_step",
+                                    **cfg),
+        checkpoint=xlatrain.CheckpointConfig(enabled=False))
+    return trainer, trainer.fit(_tiny_data())[0]
+
+
+@pytest.mark.parametrize("at", [1, 3], ids=["first-step", "later-step"])
+def test_skip_step_leaves_adam_as_it_was_its_step_count_and_first_state_included(tmp_path, at):
+    """Adam makes its moments at its first step: made from NaN gradients and kept, they turned
+    every later step into NaN (7 of 8 steps skipped, the weights NaN at the end). The state made
+    by a skipped step is dropped and made again at the next; and a skipped step later on does not
+    advance Adam's step count (its bias correction would run one step ahead for the rest of the run)."""
+    loss_fn = _NanAt(at)
+    trainer, row = _skip_fit(tmp_path, loss_fn, functools.partial(torch.optim.Adam, lr=0.01))
+    assert row["nonfinite_steps"] == 1 and math.isfinite(row["train_loss"])
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    assert torch.equal(loss_fn.weights[at + 1], loss_fn.weights[at])  # the skipped step changed nothing
+    assert [float(s["step"]) for s in trainer.optimizer.state.values()] == [7.0, 7.0]  # 7 steps taken
+
+
+def test_skip_step_under_fp16_skips_a_nan_loss_whose_gradients_are_finite(tmp_path):
+    """Under fp16 the GradScaler skips a step whose gradients overflowed; a NaN loss with finite
+    gradients it would take. skip_step keeps its promise there too: the weights stay as they were."""
+    loss_fn = _NanAt(3, finite_grads=True)
+    trainer, row = _skip_fit(tmp_path, loss_fn, functools.partial(torch.optim.SGD, lr=0.1), precision="fp16")
+    assert row["nonfinite_steps"] == 1
+    assert torch.equal(loss_fn.weights[4], loss_fn.weights[3])
+    assert not torch.equal(loss_fn.weights[3], loss_fn.weights[2])  # the steps around it were taken
+
+
+def test_sums_resumed_on_another_process_count_keep_the_count_of_skipped_steps():
+    """Under skip_step every process skips the same steps and holds the same count, which the run
+    says once: resumed on 1 or 4 processes, the mean over processes stays that count. Under stop
+    and ignore each process counts its own, and the total (carried by process 0) stays."""
+    from xlatrain.train.resumable import resharded_sums
+
+    saved = [{"loss": 4.0, "nonfinite": 3.0}, {"loss": 6.0, "nonfinite": 3.0}]
+    for count in (1, 4):
+        shares = [resharded_sums(saved, i, count, alike=True) for i in range(count)]
+        assert sum(s["nonfinite"] for s in shares) / count == 3.0 and all(s["loss"] == 5.0 for s in shares)
+    own = [{"loss": 4.0, "nonfinite": 1.0}, {"loss": 6.0, "nonfinite": 0.0}]
+    assert [resharded_sums(own, i, 4)["nonfinite"] for i in range(4)] == [1.0, 0.0, 0.0, 0.0]
+
 def test_nan_policy_ignore_trains_on_and_reports_nan(tmp_path):
     trainer = _tiny_trainer(tmp_path, NanAtStep(5), batch_size=5, nan_policy="ignore")
     history = trainer.fit(_tiny_data())

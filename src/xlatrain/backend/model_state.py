@@ -131,19 +131,27 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
 
 
 @torch.no_grad()
-def guarded_step(optimizer: torch.optim.Optimizer, finite: torch.Tensor) -> None:
-    """``optimizer.step()`` that leaves parameters and optimizer state unchanged when ``finite``
-    is false, decided on the device (a copy of both per step; no host read)."""
-    tensors = [local(p) for g in optimizer.param_groups for p in g["params"]]
-    tensors += [
-        local(v) for st in optimizer.state.values() for v in st.values()
-        if isinstance(v, torch.Tensor) and v.dim() > 0
-    ]
+def guarded_step(optimizer: torch.optim.Optimizer, finite: torch.Tensor, step: Callable[[], Any] | None = None) -> None:
+    """``optimizer.step()`` (or ``step()``, a GradScaler's) that leaves parameters and optimizer
+    state unchanged when ``finite`` is false, decided on the device: a copy of both per step, step
+    counts included where they live on that device (torch's non-fused Adam keeps them on the host
+    beside CUDA parameters, so a skipped step still counts there). No host read, but at a step that
+    creates a parameter's state (the first, for most optimizers): state made from non-finite
+    gradients (Adam's moments would hold a NaN for the rest of the run) is dropped when ``finite``
+    is false, read once on the host, and the next step makes it afresh."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    fresh = [p for p in params if not optimizer.state.get(p)]
+    tensors = [local(p) for p in params]
+    tensors += [local(v) for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
     tensors = [t for t in tensors if t.device == finite.device]
     before = [t.detach().clone() for t in tensors]
-    optimizer.step()
+    (step or optimizer.step)()
     for t, old in zip(tensors, before):
         t.copy_(torch.where(finite, t, old))
+    created = [p for p in fresh if optimizer.state.get(p)]  # SGD without momentum keeps none
+    if created and not bool(finite):
+        for p in created:
+            optimizer.state.pop(p, None)
 
 
 def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:

@@ -173,8 +173,8 @@ class SkippedGroup:
     inside a group waits for its last micro-batch, so that no interval holds part of one (a group
     counted in one interval and taken back in the next). A group an epoch cuts short (its source
     gave fewer batches than it announced, which the run warns of) reaches no step and keeps its
-    finite micro-batches in the means. Under fp16 the GradScaler decides the step from the
-    gradients; the means follow the losses and the gradients' norm as without it."""
+    finite micro-batches in the means. Under fp16 a gradient overflow is the GradScaler's to skip
+    (it lowers its scale) and is not counted here; a NaN/Inf loss is, as without fp16."""
 
     def __init__(self, sums: dict[str, torch.Tensor], micro_batches: int) -> None:
         self._start = dict(sums)  # the sums' tensors, never written in place: each step makes new ones

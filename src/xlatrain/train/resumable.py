@@ -100,7 +100,8 @@ def resume(trainer: Trainer, resume: bool | str) -> tuple[Cursor, dict[str, torc
         mine = per_process_sums[st.process_index]
         rt.set_rng_state(rng[st.process_index])
     else:
-        mine = resharded_sums(per_process_sums, st.process_index, st.num_processes)
+        mine = resharded_sums(per_process_sums, st.process_index, st.num_processes,
+                              alike=trainer.config.nan_policy == "skip_step")
         # Random streams belong to processes; another process count cannot take them over.
         rt.seed_everything((trainer.config.seed * 1_000_003 + cursor.global_step) * 1_000_003 + st.process_index)
         trainer._say(
@@ -427,13 +428,15 @@ def explicit_checkpoint(path: Path, group: Any) -> tuple[Path, dict[str, torch.T
     return path, tensors, meta
 
 
-def resharded_sums(per_process: list[dict[str, float]], index: int, count: int) -> dict[str, float]:
+def resharded_sums(per_process: list[dict[str, float]], index: int, count: int, *, alike: bool = False) -> dict[str, float]:
     """This process's share of running sums saved by another number of processes: every process
     starts from the saved mean (so the mean over processes is unchanged) and process 0 carries the
-    non-finite count."""
+    non-finite count, a total over processes; with ``alike`` (``skip_step``, whose steps are skipped
+    on every process alike, so each holds the same count) every process carries the saved mean."""
     names = per_process[0].keys()
     out = {k: sum(p[k] for p in per_process) / len(per_process) for k in names}
-    out["nonfinite"] = sum(p["nonfinite"] for p in per_process) if index == 0 else 0.0
+    if not alike:
+        out["nonfinite"] = sum(p["nonfinite"] for p in per_process) if index == 0 else 0.0
     return out
 
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from xlatrain.backend import Backend, from_config, select_backend
-from xlatrain.backend.model_state import fused_optimizer, has_meta_tensors
+from xlatrain.backend.model_state import fused_optimizer, guarded_step, has_meta_tensors
 from xlatrain.backend.precision import Precision
 from xlatrain.checkpoint import write_weights
 from xlatrain.config import BackendConfig, CheckpointConfig, TrainConfig, monitor_mode_for
@@ -780,10 +780,11 @@ class Trainer:
                 # lowers its scale. Unless the optimizer is fused, it reads on the host whether
                 # they did: a planned read, once per optimizer step, as every fp16 loop has it.
                 with rt.planned_transfers():
-                    scaler.step(opt)
+                    guarded_step(opt, finite, lambda: scaler.step(opt)) if guard else scaler.step(opt)
                 scaler.update()
             else:
-                st.optimizer_step(opt, finite if guard else None)
+                with rt.planned_transfers() if guard else contextlib.nullcontext():  # skip_step reads once (guarded_step)
+                    st.optimizer_step(opt, finite if guard else None)
             opt.zero_grad(set_to_none=True)
             if self.scheduler is not None and cfg.scheduler_interval == "step":
                 self.scheduler.step()
