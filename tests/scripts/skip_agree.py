@@ -18,15 +18,20 @@ import xlatrain
 
 
 class NanOnRank1:
-    """Cross-entropy, NaN on rank 1 at its third training step, with finite gradients."""
+    """Cross-entropy, NaN on rank 1 at its third training step (with accumulation 2, the first
+    micro-batch of the second group), with finite gradients. A callback too: training steps are
+    the calls after on_fit_start (the dry run before it calls the loss as well)."""
 
     def __init__(self):
-        self.calls = 0
+        self.calls, self.started = 0, False
+
+    def on_fit_start(self, trainer):
+        self.started = True
 
     def __call__(self, outputs, targets, reduction="mean"):
         loss = nn.functional.cross_entropy(outputs, targets, reduction=reduction)
-        if not torch.is_grad_enabled() or len(targets) != 4:
-            return loss  # the dry run and evaluation are no training steps
+        if not (self.started and torch.is_grad_enabled()):
+            return loss
         self.calls += 1
         bad = os.environ["RANK"] == "1" and self.calls == 3
         return loss + torch.tensor(float("nan")).detach() if bad else loss
@@ -37,8 +42,9 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, 6, generator=g)
     torch.manual_seed(0)
+    loss_fn = NanOnRank1()
     trainer = xlatrain.Trainer(
-        nn.Linear(6, 2), NanOnRank1(), functools.partial(torch.optim.SGD, lr=0.1),
+        nn.Linear(6, 2), loss_fn, functools.partial(torch.optim.SGD, lr=0.1), callbacks=[loss_fn],
         config=xlatrain.TrainConfig(epochs=1, batch_size=4, run_dir=run_dir, log_every=100, nan_policy="skip_step",
                                     grad_accum_steps=accum, tensorboard=False),
         checkpoint=xlatrain.CheckpointConfig(enabled=False), accelerator="cpu", strategy="ddp",
