@@ -71,6 +71,58 @@ def test_the_torchvision_rule_and_warm_up_give_the_reference_average(tmp_path, w
         torch.testing.assert_close(saved[k], v, rtol=1e-5, atol=1e-6)
 
 
+
+class _LateBranch(nn.Module):
+    """A branch the model takes from its fourth training step on: no gradient for it before. A
+    callback too: training steps are the passes after on_fit_start (the dry run's come before)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk, self.late, self.steps, self.counting = nn.Linear(6, 2), nn.Linear(6, 2), 0, False
+
+    def on_fit_start(self, trainer):
+        self.counting = True
+
+    def forward(self, x):
+        self.steps += self.counting and self.training and torch.is_grad_enabled()
+        return self.trunk(x) + (self.late(x) if self.steps >= 4 else 0)
+
+
+def test_the_average_of_a_parameter_starts_at_its_own_first_step_under_adam(tmp_path):
+    """Adam makes a parameter's moments at its first step with a gradient. The average of a branch
+    the model takes later once started at the run's first step, as the only entry of that
+    parameter's optimizer state, and Adam then found no moments there (KeyError 'exp_avg')."""
+    starts = {}
+
+    class Starts:
+        def on_interval(self, trainer, values):
+            state = trainer.optimizer.state
+            for name, p in trainer.model.named_parameters():
+                if "xlatrain_ema" in state.get(p, {}):
+                    starts.setdefault(name, values["global_step"])
+
+    model = _LateBranch()
+    trainer = Trainer(model, nn.CrossEntropyLoss(), functools.partial(torch.optim.Adam, lr=0.01),
+                      config=TrainConfig(epochs=1, batch_size=BATCH, run_dir=str(tmp_path), log_every=1, ema_decay=0.9,
+                                         tensorboard=False),
+                      backend="cpu", callbacks=[Starts(), model])
+    row = trainer.fit(_data())[0]
+    assert torch.isfinite(torch.tensor(row["train_loss"]))
+    assert starts == {"trunk.weight": 1, "trunk.bias": 1, "late.weight": 4, "late.bias": 4}
+    state = trainer.optimizer.state[model.late.weight]
+    assert {"exp_avg", "exp_avg_sq", "step", "xlatrain_ema"} <= set(state) and float(state["step"]) == 5
+
+
+def test_skip_step_at_the_first_step_with_an_ema_waits_for_the_first_step_taken(tmp_path):
+    """skip_step drops the state a skipped first step made; the average then waits for the next
+    step, rather than becoming the only entry of that state (Adam then raised KeyError 'exp_avg')."""
+    from test_resume import _NanAt, _skip_fit
+
+    trainer, row = _skip_fit(tmp_path, _NanAt(1), functools.partial(torch.optim.Adam, lr=0.01), ema_decay=0.9)
+    assert row["nonfinite_steps"] == 1
+    assert all(torch.isfinite(e).all() for _, e in trainer.ema.pairs()) and len(trainer.ema.pairs()) == 2
+
 def test_batch_norm_statistics_recomputed_for_the_ema_weights_score_them_as_update_bn_does(tmp_path):
     trainer = _ema_trainer(tmp_path, ema_bn_batches=2)
     row = trainer.fit(_data(), _data(12, 1))[-1]

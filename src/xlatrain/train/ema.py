@@ -26,9 +26,12 @@ class WeightAverage:
     the first one (which starts the average); ``"torchvision"`` after steps 1, 1 + N, 1 + 2N, ... of
     each epoch, as torchvision's classification reference does.
 
-    The first update waits for the optimizer's first step that ran (not one a gradient scaler
-    skipped): an optimizer that builds its state at its first step (Adam) would take an entry made
-    before as its state.
+    Each parameter's average starts (a copy of its weights) once the optimizer has stepped it:
+    when the optimizer holds state for it, or took a step with its gradient and keeps none (SGD
+    without momentum). An optimizer that builds a parameter's state at its first step with a
+    gradient (Adam) would take an entry made before as its state, and miss its own moments: so a
+    parameter with no gradient yet (a branch the model takes later), a step a gradient scaler
+    skipped, and state a skipped step made and ``skip_step`` dropped all wait.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, decay: float, every: int, rule: str = "every",
@@ -38,15 +41,26 @@ class WeightAverage:
         self.every = every
         self.rule = rule
         self.warmup_epochs = warmup_epochs
-        self._stepped = False  # the optimizer has taken a step (and built its state)
-        optimizer.register_step_post_hook(lambda *_: setattr(self, "_stepped", True))
-        self.ready = self.restored()
+        # At the optimizer's last step: the parameters it had a gradient for, and those it then
+        # held state for (skip_step may drop state a skipped step made: see :meth:`_start`).
+        self._had_grad: set[int] = set()
+        self._held_state: set[int] = set()
+        optimizer.register_step_post_hook(self._stepped)
+        self.ready = self.restored()  # every parameter has its average
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def _stepped(self, *_: Any) -> None:
+        state = self.optimizer.state
+        self._had_grad = {id(p) for p in self._params() if p.grad is not None}
+        self._held_state = {id(p) for p in self._params() if state.get(p)}
 
     def restored(self) -> bool:
         """Whether the optimizer's state holds an average of every parameter (a resumed run's came
         back with it)."""
         state = self.optimizer.state
-        return all(EMA_KEY in state.get(p, {}) for g in self.optimizer.param_groups for p in g["params"])
+        return all(EMA_KEY in state.get(p, {}) for p in self._params())
 
     def pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(parameter, its average) for every parameter the optimizer trains that has one."""
@@ -66,27 +80,35 @@ class WeightAverage:
         # update after it too: averaging starts from there.
         copy = self.warmup_epochs > 0 and (epoch <= self.warmup_epochs
                                            or (epoch == self.warmup_epochs + 1 and first_due_of_epoch))
-        if due or not self.ready:
+        if not self.ready:
+            self._start()
+        if due:
             self.update(copy=copy)
 
     @torch.no_grad()
-    def update(self, copy: bool = False) -> None:
+    def _start(self) -> None:
+        """Start the average of each parameter the optimizer has now stepped (see the class)."""
         state = self.optimizer.state
-        if copy and self.ready:
-            for p, e in self.pairs():
-                e.copy_(p.detach())
-            return
-        if not self.ready:
-            if not self._stepped and not any(state.values()):
-                return
-            for group in self.optimizer.param_groups:
-                for p in group["params"]:
-                    if EMA_KEY not in state[p]:
-                        state[p][EMA_KEY] = p.detach().clone()
-            self.ready = True
-            return
+        for p in self._params():
+            mine = state.get(p, {})
+            if EMA_KEY in mine:
+                continue
+            own = [k for k in mine if k != EMA_KEY]
+            # Held state at the step and holds none now: skip_step dropped what a skipped step made.
+            if own or (id(p) in self._had_grad and id(p) not in self._held_state):
+                state[p][EMA_KEY] = p.detach().clone()
+        self.ready = self.restored()
+
+    @torch.no_grad()
+    def update(self, copy: bool = False) -> None:
+        """One averaging step over the parameters whose average has started (``copy``: the
+        weights themselves, as in the warm-up epochs)."""
         pairs = self.pairs()
-        torch._foreach_lerp_([e for _, e in pairs], [p.detach() for p, _ in pairs], 1.0 - self.decay)
+        if copy:
+            for p, e in pairs:
+                e.copy_(p.detach())
+        elif pairs:
+            torch._foreach_lerp_([e for _, e in pairs], [p.detach() for p, _ in pairs], 1.0 - self.decay)
 
     @contextlib.contextmanager
     def swapped_in(self) -> Iterator[None]:
