@@ -203,7 +203,7 @@ class TrainConfig:
         nan_policy: what a NaN/Inf loss or gradient norm does, found at the next log interval or
             checkpoint (no per-step read): ``stop`` (raise, naming the step range; the last good
             checkpoint stays latest), ``skip_step`` (such steps leave weights and optimizer state
-            unchanged, at the cost of a copy of both per step, and with several processes one
+            tensors unchanged, at the cost of a copy of both per step, and with several processes one
             scalar all-reduce per step, so that every process skips alike; under
             ``grad_accum_steps`` all of a skipped step's micro-batches leave the means), ``ignore``.
         diagnostics: gather why-is-it-slow evidence (recompilations and their causes, device

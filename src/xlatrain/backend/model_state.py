@@ -135,10 +135,11 @@ def guarded_step(optimizer: torch.optim.Optimizer, finite: torch.Tensor, step: C
     """``optimizer.step()`` (or ``step()``, a GradScaler's) that leaves parameters and optimizer
     state unchanged when ``finite`` is false, decided on the device: a copy of both per step, step
     counts included where they live on that device (torch's non-fused Adam keeps them on the host
-    beside CUDA parameters, so a skipped step still counts there). No host read, but at a step that
-    creates a parameter's state (the first, for most optimizers): state made from non-finite
-    gradients (Adam's moments would hold a NaN for the rest of the run) is dropped when ``finite``
-    is false, read once on the host, and the next step makes it afresh."""
+    beside CUDA or XLA parameters, so a skipped step still counts there; Python numbers in a state
+    are not restored). No host read, but at a step that creates some parameter's state (the first,
+    for most optimizers): state made from non-finite gradients (Adam's moments would hold a NaN for
+    the rest of the run) is dropped when ``finite`` is false, read then on the host, and the
+    parameter's next step makes it afresh."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
     fresh = [p for p in params if not optimizer.state.get(p)]
     tensors = [local(p) for p in params]
