@@ -251,9 +251,8 @@ class _CudaPrefetcher(_DeviceFeed):
     recipe's 4 MiB batches), but it held the 85M LM benchmark, compiled, at 0.68-0.89 of the hand
     loop's tokens/s on an H200 in three runs, where the side stream gave 1.00-1.07 on the same
     machine just before the 0.68-0.73 (benchmarks/cuda/NVIDIA-H200-2026-11-28.log); why was not
-    found. A pageable batch could never
-    go on the compute stream: CUDA synchronizes the stream a pageable copy is issued on, which
-    would make the host wait for every step queued before it."""
+    found. A pageable batch could never go on the compute stream: CUDA synchronizes the stream a
+    pageable copy is issued on, which would make the host wait for every step queued before it."""
 
     def __iter__(self) -> Iterator[Any]:
         stream = torch.cuda.Stream(self._device)

@@ -182,7 +182,8 @@ class SkippedGroup:
 
     def step_taken(self, sums: dict[str, torch.Tensor], finite: torch.Tensor) -> torch.Tensor:
         """Whether the group's optimizer step is taken, before its last micro-batch joins ``sums``:
-        that one's ``finite`` (its loss and the gradients' norm) and every earlier one's loss finite."""
+        that one's ``finite`` (its loss, and the gradients' norm but under fp16) and every earlier
+        one's loss finite."""
         return finite & (sums["nonfinite"] == self._start["nonfinite"])
 
     def close(self, sums: dict[str, torch.Tensor], values: dict[str, torch.Tensor], *, taken: torch.Tensor) -> None:
