@@ -52,9 +52,11 @@ class WeightAverage:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
     def _stepped(self, *_: Any) -> None:
-        state = self.optimizer.state
-        self._had_grad = {id(p) for p in self._params() if p.grad is not None}
-        self._held_state = {id(p) for p in self._params() if state.get(p)}
+        if self.ready:  # every average has started: nothing reads these again
+            return
+        state, params = self.optimizer.state, self._params()
+        self._had_grad = {id(p) for p in params if p.grad is not None}
+        self._held_state = {id(p) for p in params if state.get(p)}
 
     def restored(self) -> bool:
         """Whether the optimizer's state holds an average of every parameter (a resumed run's came
@@ -93,9 +95,8 @@ class WeightAverage:
             mine = state.get(p, {})
             if EMA_KEY in mine:
                 continue
-            own = [k for k in mine if k != EMA_KEY]
             # Held state at the step and holds none now: skip_step dropped what a skipped step made.
-            if own or (id(p) in self._had_grad and id(p) not in self._held_state):
+            if mine or (id(p) in self._had_grad and id(p) not in self._held_state):
                 state[p][EMA_KEY] = p.detach().clone()
         self.ready = self.restored()
 

@@ -137,8 +137,6 @@ class EvalLoss:
         return {"loss": float(total), **{k: float(v) for k, v in terms.items()}}
 
 
-
-
 def new_sums(term_names: list[str], device: torch.device) -> dict[str, torch.Tensor]:
     """An epoch's running sums on ``device``, at zero: the loss, the count of non-finite steps and
     each of the loss's named terms. Every sum exists from the first step, the terms included, so
