@@ -27,9 +27,9 @@ _EXPORTS = {
     "DetectionMAP": "xlatrain.train.detection",
     "DiagnosticsError": "xlatrain.diagnostics.run",
     "DoesNotFitError": "xlatrain.train.trainer",
-    "ModelParameters": "xlatrain.train.trainer",
+    "ModelParameters": "xlatrain.train.factories",
     "NonFiniteLossError": "xlatrain.train.trainer",
-    "RunShape": "xlatrain.train.trainer",
+    "RunShape": "xlatrain.train.factories",
     "Trainer": "xlatrain.train.trainer",
 }
 
@@ -59,4 +59,5 @@ if TYPE_CHECKING:
     from xlatrain.train.batch import collate
     from xlatrain.train.detection import DetectionMAP
     from xlatrain.diagnostics.run import DiagnosticsError
-    from xlatrain.train.trainer import DoesNotFitError, ModelParameters, NonFiniteLossError, RunShape, Trainer
+    from xlatrain.train.factories import ModelParameters, RunShape
+    from xlatrain.train.trainer import DoesNotFitError, NonFiniteLossError, Trainer

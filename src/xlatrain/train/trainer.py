@@ -18,7 +18,7 @@ import dataclasses
 import math
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -44,6 +44,7 @@ from xlatrain.train.batch import collate, tree_map
 from xlatrain.train.callbacks import Callbacks
 from xlatrain.train.checks import check_arguments, check_dataset, check_pipeline_arguments, in_step
 from xlatrain.train.ema import EMA_KEY, EMA_WEIGHTS, WeightAverage, recomputed_batch_norm
+from xlatrain.train.factories import ModelParameters, OptimizerFactory, RunShape, SchedulerFactory
 from xlatrain.train.feed import TrainFeed, channels_last_choice, eval_batches, follow_num_workers, to_channels_last
 from xlatrain.train.losses import EvalLoss, SkippedGroup, add_to_sums, new_sums
 from xlatrain.train.metrics import EvalAccumulator, RowCollector, as_float, default_monitor, infer_task
@@ -62,43 +63,6 @@ log = get_logger(__name__)
 # The fit's first optimizer steps compile (XLA, torch.compile, TorchTPU) and allocate (the first
 # creates the optimizer's state): rates leave them out, with all their micro-batches.
 WARMUP_STEPS = 2
-
-OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
-SchedulerFactory = Callable[..., Any]
-
-
-class ModelParameters:
-    """What ``optimizer_fn`` receives: the model's parameters, once on the device.
-
-    Iterating it gives the parameters, as ``torch.optim`` optimizers take them
-    (``functools.partial(torch.optim.SGD, lr=0.1)`` works as it always has). It also answers what
-    the model answers (``named_parameters()``, ``modules()``, ``named_children()``, ...), so a factory
-    can build parameter groups by name, e.g. no weight decay for biases and norms, or call a helper
-    written for the model (torchvision's ``set_weight_decay(model, ...)``) on it directly.
-    """
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.model = module
-
-    def __iter__(self) -> Iterator[torch.nn.Parameter]:
-        return iter(self.model.parameters())
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.model, name)
-
-
-@dataclasses.dataclass(frozen=True)
-class RunShape:
-    """The length of a run in optimizer steps, after gradient accumulation and devices.
-
-    A two-argument ``scheduler_fn`` gets it: ``lambda opt, run: OneCycleLR(opt, 0.1, total_steps=run.total_steps)``;
-    ``trainer.run_shape`` holds it once ``fit`` has begun (a callback's ``on_fit_start`` reads it).
-    """
-
-    total_steps: int  # optimizer steps over all epochs
-    steps_per_epoch: int  # optimizer steps per epoch
-    epochs: int
-
 
 class Trainer:
     """Trains ``model`` with ``loss_fn`` and an optimizer built on the device.

@@ -1,0 +1,46 @@
+"""What the user's factories receive: the optimizer factory gets the model's parameters
+(:class:`ModelParameters`), a two-argument scheduler factory the run's length (:class:`RunShape`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+
+OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+SchedulerFactory = Callable[..., Any]
+
+
+class ModelParameters:
+    """What ``optimizer_fn`` receives: the model's parameters, once on the device.
+
+    Iterating it gives the parameters, as ``torch.optim`` optimizers take them
+    (``functools.partial(torch.optim.SGD, lr=0.1)`` works as it always has). It also answers what
+    the model answers (``named_parameters()``, ``modules()``, ``named_children()``, ...), so a factory
+    can build parameter groups by name, e.g. no weight decay for biases and norms, or call a helper
+    written for the model (torchvision's ``set_weight_decay(model, ...)``) on it directly.
+    """
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.model = module
+
+    def __iter__(self) -> Iterator[torch.nn.Parameter]:
+        return iter(self.model.parameters())
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunShape:
+    """The length of a run in optimizer steps, after gradient accumulation and devices.
+
+    A two-argument ``scheduler_fn`` gets it: ``lambda opt, run: OneCycleLR(opt, 0.1, total_steps=run.total_steps)``;
+    ``trainer.run_shape`` holds it once ``fit`` has begun (a callback's ``on_fit_start`` reads it).
+    """
+
+    total_steps: int  # optimizer steps over all epochs
+    steps_per_epoch: int  # optimizer steps per epoch
+    epochs: int
