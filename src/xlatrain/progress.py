@@ -92,7 +92,7 @@ class IntervalMeter:
         self._last_step = start_step
         self._last_sum, self._last_bad = (0.0, 0.0) if start_step == 0 else (start_sums or (None, 0.0))
         self._last_time = time.perf_counter()
-        self._warm_until = start_step if warm_until is None else warm_until
+        self.warm_until = start_step if warm_until is None else warm_until  # moves on where the warm-up does
         self._skipped_out, self._processes = skipped_out, processes
 
     def measure(self, step: int, *, loss_sum: float, nonfinite: float) -> IntervalStats:
@@ -106,7 +106,7 @@ class IntervalMeter:
             counted = steps - (bad if self._skipped_out else 0.0)
             return total / counted if counted > 0 else math.nan
 
-        rate = done * self._samples_per_step / max(now - self._last_time, 1e-9) if self._last_step >= self._warm_until \
+        rate = done * self._samples_per_step / max(now - self._last_time, 1e-9) if self._last_step >= self.warm_until \
             else None
         epoch_loss = mean(loss_sum, step, nonfinite)
         interval_loss = mean(loss_sum - self._last_sum, done, nonfinite - self._last_bad) \

@@ -89,6 +89,21 @@ def test_a_clean_fit_compiles_only_its_warm_up_and_says_each_notice_once(tmp_pat
 
 
 @pytest.mark.xla
+def test_a_skipped_first_step_under_skip_step_moves_the_warm_up_a_step_on_and_strict_lets_the_run_finish(tmp_path):
+    """skip_step drops the momentum a NaN first step made; the next step makes it again (its host
+    read with it) and the steady graph compiles a step later. That is the warm-up, said so: not
+    compilations a clean run would not make, blamed on .item() in the user's code, and a strict
+    run is not stopped for it."""
+    report, lines = _fit(tmp_path, "nan_first", "nan_first")
+    assert report["clean"] and report["findings"] == [], report["findings"]
+    events = report["compilations"]
+    assert all(e["graphs"] == e["expected"] for e in events), events
+    warm = [n for n in report["notes"] if n.startswith("warm-up:")]
+    assert len(warm) == 1 and "train steps 1-3" in warm[0] and "as a clean run does but a step later: skip_step" in warm[0]
+    assert [e["compilations"] for e in report["epochs"][1:]] == [0, 0]
+
+
+@pytest.mark.xla
 def test_a_python_number_that_becomes_a_constant_is_named_with_its_epoch_step_and_graph(tmp_path):
     report, _ = _fit(tmp_path, "scalar", "scalar")
     found = _finding(report, "recompilation-after-warmup")

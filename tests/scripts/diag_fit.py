@@ -15,6 +15,9 @@ CAUSE is one of
           whose output size depends on the values
   accumulate  clean, with gradients accumulated over two micro-batches per optimizer step
           (its warm-up spans the first four micro-batches)
+  nan_first  clean but for a NaN loss at the first training step, under nan_policy='skip_step'
+          and strict: the step is skipped and SGD's momentum it made is dropped, made again at
+          the next step
 
 Prints ``REPORT`` lines (what the run printed as its diagnostics) and ``HISTORY`` followed by
 RUN_DIR/diagnostics.json.
@@ -62,6 +65,24 @@ class Net(nn.Module):
         if self.masked:
             x = x + 0.0 * x[x > x.mean()].sum()  # a size that depends on the values: a graph per size
         return self.head(x)
+
+
+class NanFirst:
+    """Cross-entropy, NaN at the first training step (a callback too: the checks before it are
+    not steps)."""
+
+    def __init__(self):
+        self.training_calls = None
+
+    def on_fit_start(self, trainer):
+        self.training_calls = 0
+
+    def __call__(self, outputs, targets, reduction="mean"):
+        loss = nn.functional.cross_entropy(outputs, targets, reduction=reduction)
+        if self.training_calls is None or not torch.is_grad_enabled():
+            return loss
+        self.training_calls += 1
+        return loss * float("nan") if self.training_calls == 1 else loss
 
 
 def item_loss(outputs, targets, reduction="mean"):
@@ -128,15 +149,18 @@ def main() -> None:
     torch.manual_seed(0)
     model = Net(planted_gain=cause == "scalar", steps_per_epoch=NUM_SAMPLES // per_step, step_batch=per_step,
                 masked=cause == "masked")
+    loss = {"item": item_loss, "nan_first": NanFirst()}.get(cause, nn.CrossEntropyLoss())
     trainer = xlatrain.Trainer(
-        model, item_loss if cause == "item" else nn.CrossEntropyLoss(),
-        lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
+        model, loss, lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
+        callbacks=[loss] if cause == "nan_first" else None,
         config=xlatrain.TrainConfig(epochs=3, batch_size=BATCH, log_every=LOG_EVERY, run_dir=run_dir,
-                                    grad_accum_steps=2 if cause == "accumulate" else 1),
+                                    grad_accum_steps=2 if cause == "accumulate" else 1,
+                                    **({"nan_policy": "skip_step", "strict": True} if cause == "nan_first" else {})),
         checkpoint=xlatrain.CheckpointConfig(every_steps=CHECKPOINT_EVERY),
         backend=xlatrain.BackendConfig(accelerator=accelerator, devices=devices),
     )
-    trainer.fit(train, val)
+    history = trainer.fit(train, val)
+    print("NONFINITE " + json.dumps([row.get("nonfinite_steps") for row in history]))
     start = next(i for i, line in enumerate(records) if line.startswith("diagnostics"))
     for line in records[start:]:
         for part in line.splitlines():

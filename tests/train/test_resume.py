@@ -391,6 +391,30 @@ def test_skip_step_leaves_adam_as_it_was_its_step_count_and_first_state_included
     assert [float(s["step"]) for s in trainer.optimizer.state.values()] == [7.0, 7.0]  # 7 steps taken
 
 
+@pytest.mark.parametrize(("at", "first_rate"), [(1, 4), (2, 3), (None, 3)], ids=["first-step", "second-step", "none"])
+def test_a_skipped_first_step_moves_the_steady_window_a_step_on(tmp_path, at, first_rate):
+    """The step after a skipped first step makes Adam's state again, and the step after that is
+    the first steady one (on XLA it compiles): the rates start a step later. A skipped step
+    whose state was already made moves nothing."""
+    loss_fn = _NanAt(at or 0)
+
+    class Rates:
+        def __init__(self):
+            self.rates = {}
+
+        def on_interval(self, trainer, values):
+            self.rates[values["step"]] = values["samples_per_s"]
+
+    rates = Rates()
+    torch.manual_seed(0)
+    trainer = xlatrain.Trainer(
+        nn.Linear(4, 2), loss_fn, functools.partial(torch.optim.Adam, lr=0.01), callbacks=[loss_fn, rates], backend="cpu",
+        config=xlatrain.TrainConfig(run_dir=str(tmp_path), epochs=1, batch_size=5, log_every=1, nan_policy="skip_step"),
+        checkpoint=xlatrain.CheckpointConfig(enabled=False))
+    trainer.fit(_tiny_data())
+    assert min(step for step, rate in rates.rates.items() if rate is not None) == first_rate, rates.rates
+
+
 def test_skip_step_under_fp16_skips_a_nan_loss_whose_gradients_are_finite(tmp_path):
     """Under fp16 the GradScaler skips a step whose gradients overflowed; a NaN loss with finite
     gradients it would take. skip_step keeps its promise there too: the weights stay as they were."""

@@ -183,9 +183,10 @@ class Strategy(Protocol):
         that norm as a plain tensor on the device."""
         ...
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, finite: torch.Tensor | None) -> None:
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, finite: torch.Tensor | None) -> bool:
         """``optimizer.step()``; with ``finite`` given, a step that leaves parameters and state as
-        they were when it is false, decided on the device."""
+        they were when it is false, decided on the device. Returns whether it dropped optimizer
+        state that the step made (the next step makes it again; see ``guarded_step``)."""
         ...
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:

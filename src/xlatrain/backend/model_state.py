@@ -106,15 +106,12 @@ def keep_ties(module: torch.nn.Module, move: Callable[[torch.nn.Module], torch.n
     return moved
 
 
-def optimizer_step(optimizer: torch.optim.Optimizer, finite: torch.Tensor | None) -> None:
+def optimizer_step(optimizer: torch.optim.Optimizer, finite: torch.Tensor | None) -> bool:
     """A strategy's ``optimizer_step`` where every process holds its gradients reduced (all of
     them but SPMD's, which adds its placement of the state): ``optimizer.step()``, or with
-    ``finite`` given a :func:`guarded_step`."""
+    ``finite`` given a :func:`guarded_step` (returns whether it dropped state the step made)."""
     try:
-        if finite is None:
-            optimizer.step()
-        else:
-            guarded_step(optimizer, finite)
+        return guarded_step(optimizer, finite)
     except RuntimeError as exc:
         if optimizer.defaults.get("fused") and "sparse" in str(exc):  # a sparse gradient the model made itself
             exc.add_note(f"xlatrain: {type(optimizer).__name__} runs with fused=True (the Trainer's choice where the "
@@ -131,15 +128,21 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
 
 
 @torch.no_grad()
-def guarded_step(optimizer: torch.optim.Optimizer, finite: torch.Tensor, step: Callable[[], Any] | None = None) -> None:
-    """``optimizer.step()`` (or ``step()``, a GradScaler's) that leaves parameters and optimizer
-    state unchanged when ``finite`` is false, decided on the device: a copy of both per step, step
-    counts included where they live on that device (torch's non-fused Adam keeps them on the host
-    beside CUDA or XLA parameters, so a skipped step still counts there; Python numbers in a state
-    are not restored). No host read, but at a step that creates some parameter's state (the first,
-    for most optimizers): state made from non-finite gradients (Adam's moments would hold a NaN for
-    the rest of the run) is dropped when ``finite`` is false, read then on the host, and the
-    parameter's next step makes it afresh."""
+def guarded_step(optimizer: torch.optim.Optimizer, finite: torch.Tensor | None,
+                 step: Callable[[], Any] | None = None) -> bool:
+    """``optimizer.step()`` (or ``step()``, a GradScaler's), just that where ``finite`` is None;
+    else a step that leaves parameters and optimizer state unchanged when ``finite`` is false,
+    decided on the device: a copy of both per step, step counts included where they live on that
+    device (torch's non-fused Adam keeps them on the host beside CUDA or XLA parameters, so a
+    skipped step still counts there; Python numbers in a state are not restored). No host read,
+    but at a step that creates some parameter's state (the first, for most optimizers): state
+    made from non-finite gradients (Adam's moments would hold a NaN for the rest of the run) is
+    dropped when ``finite`` is false, read then on the host, and the parameter's next step makes
+    it afresh. Returns whether it dropped any: the next step makes that state again, and on XLA
+    the steady step's graphs compile one step later than they would have."""
+    if finite is None:
+        (step or optimizer.step)()
+        return False
     params = [p for g in optimizer.param_groups for p in g["params"]]
     fresh = [p for p in params if not optimizer.state.get(p)]
     tensors = [local(p) for p in params]
@@ -150,9 +153,11 @@ def guarded_step(optimizer: torch.optim.Optimizer, finite: torch.Tensor, step: C
     for t, old in zip(tensors, before):
         t.copy_(torch.where(finite, t, old))
     created = [p for p in fresh if optimizer.state.get(p)]  # SGD without momentum keeps none
-    if created and not bool(finite):
-        for p in created:
-            optimizer.state.pop(p, None)
+    if not created or bool(finite):
+        return False
+    for p in created:
+        optimizer.state.pop(p, None)
+    return True
 
 
 def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:

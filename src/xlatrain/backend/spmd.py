@@ -74,10 +74,11 @@ class Spmd(XlaStrategy):
         model.register_forward_hook(self._shard_outputs)
         return model
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, finite: torch.Tensor | None) -> None:
-        super().optimizer_step(optimizer, finite)
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, finite: torch.Tensor | None) -> bool:
+        dropped = super().optimizer_step(optimizer, finite)
         if self._specs and self._unplaced_state:
             self._place_state(optimizer)
+        return dropped
 
     def _place_state(self, optimizer: torch.optim.Optimizer) -> None:
         """Shard each parameter's optimizer state as the parameter, once it exists: left to the

@@ -152,6 +152,8 @@ class RunDiagnostics:
         self._dropped = {"events": 0, "graphs": 0, "unexpected": 0}
         self._counts = self._counters()
         self._planned_seen: set[str] = set()  # phases whose first planned read has happened
+        self._remade = False  # the step being probed dropped optimizer state it made (state_remade)
+        self._late_state = False  # the warm-up ran longer for it
         self._compile_s = self._compile_seconds()
         self._spmd = self._is_spmd()
         # torch_xla's own analysis of each compilation, when the run asked for it in a file that
@@ -268,15 +270,23 @@ class RunDiagnostics:
         inputs: dict[str, Any] | None = None
 
         planned = self._runtime.planned_reads
+        warm_until = first_step + warm_steps
 
         def allowed() -> int:
             # A step whose batch has a shape of its own compiles for that reason, whatever else it does.
-            nonlocal planned
+            nonlocal planned, warm_until
             usual = (inputs or {}).get("kind") in ("first", "same")
-            warm = usual and first_pass and step - first_step < warm_steps
+            warm = usual and first_pass and step < warm_until
             first_read = usual and self._runtime.planned_reads > planned and phase not in self._planned_seen
             if first_read:
                 self._planned_seen.add(phase)
+            if self._remade and phase == "train":
+                # The next optimizer step makes the state again, reading the host as the first did,
+                # and the one after compiles the steady step: the warm-up, a step later.
+                self._remade = False
+                self._planned_seen.discard(phase)
+                if first_pass and step < warm_until:
+                    warm_until, self._late_state = step + 1 + warm_steps, True
             planned = self._runtime.planned_reads
             return int(warm) + int(first_read)
 
@@ -308,6 +318,11 @@ class RunDiagnostics:
             else:
                 self._eval_steps += 1
             yield batch
+
+    def state_remade(self) -> None:
+        """skip_step dropped optimizer state that the training step just taken had made from
+        non-finite gradients (``guarded_step``): the next step makes it again."""
+        self._remade = True
 
     def end_epoch(self, epoch: int) -> dict[str, Any]:
         """Per-epoch evidence; in strict mode, raise on a recompilation or unplanned read after the
@@ -676,6 +691,8 @@ class RunDiagnostics:
             out.append(
                 f"warm-up: {sum(e['expected'] for e in warm)} graph(s) compiled in {seconds:.1f} s "
                 f"({', '.join(places)} of epoch {self._first_epoch}), as a clean run does"
+                + (" but a step later: skip_step skipped a step whose gradients were not finite and dropped the "
+                   "optimizer state that step had made, so the next step made it again" if self._late_state else "")
             )
         if self._snap is not None and self._first is not None:
             total = self._evidence.diff(self._first, self._snap)

@@ -12,6 +12,8 @@ an epoch's row is final:
   epoch's training steps, the stop however the epoch ends (the progress bar);
 - ``on_step_start(index)`` / ``on_step_end(step, index, input_wait_s)``: around each training step,
   ``step`` within the epoch, ``index`` over the run (the trace; the bar);
+- ``on_state_remade()``: skip_step dropped optimizer state the step just taken had made; the next
+  step makes it again (the diagnostics' warm-up runs a step longer);
 - ``on_epoch_row(trainer, row)``: add columns to an epoch's row before it is judged and written;
 - ``on_epoch_written(trainer, row, cursor, last)``: the row is in ``history.json`` and the epoch's
   checkpoint is not yet written (TensorBoard's epoch point must be on disk before the checkpoint
@@ -37,7 +39,7 @@ if TYPE_CHECKING:
 
 # Hooks the user's callbacks also hear, called after xlatrain's own observers.
 _PUBLIC = ("on_fit_start", "on_epoch_start", "on_interval", "on_epoch_end", "on_checkpoint", "on_fit_end")
-_INTERNAL = ("on_steps_start", "on_steps_stop", "on_step_start", "on_step_end", "on_epoch_row",
+_INTERNAL = ("on_steps_start", "on_steps_stop", "on_step_start", "on_step_end", "on_state_remade", "on_epoch_row",
              "on_epoch_written", "on_run_end")
 
 
@@ -162,6 +164,9 @@ class DiagnosticsObserver:
 
     def batches(self, batches: Iterable[Any], phase: str, epoch: int, first_step: int) -> Iterable[Any]:
         return self._diag.timed(batches, phase, epoch, first_step=first_step)
+
+    def on_state_remade(self) -> None:
+        self._diag.state_remade()
 
     def on_epoch_row(self, trainer: Any, row: dict[str, Any]) -> None:
         row["input_bound_share"] = round(self._diag.end_epoch(row["epoch"])["input_bound_share"], 4)

@@ -375,7 +375,10 @@ class Trainer:
                         for fn in ep.step_start:
                             fn(ep.before + step)
                         last_micro = step % accum == 0
-                        self._train_step(batch, cursor, step, last_micro, sums)
+                        if self._train_step(batch, cursor, step, last_micro, sums):  # state made again next step
+                            obs.call("on_state_remade")
+                            if step <= ep.clock.mark_step:  # the steady window starts a step later
+                                ep.clock.mark_step = ep.meter.warm_until = step + WARMUP_STEPS * accum
                         for fn in ep.step_end:
                             fn(step, ep.before + step, input_wait_s)
                         if step == ep.clock.mark_step:  # the warm-up steps are done once the device ran them
@@ -701,9 +704,10 @@ class Trainer:
         return write_weights(path, *whole) if whole is not None else None
 
     # --- one step --------------------------------------------------------------------------
-    def _train_step(self, batch: Any, cursor: Cursor, step: int, last_micro: bool, sums: dict[str, torch.Tensor]) -> None:
+    def _train_step(self, batch: Any, cursor: Cursor, step: int, last_micro: bool, sums: dict[str, torch.Tensor]) -> bool:
         """One micro-batch: forward, loss, backward, and on the last micro-batch the optimizer step.
-        Nothing here reads the device: the loss and its terms are added to ``sums`` on it."""
+        Nothing here reads the device (but skip_step's read where state is made): the loss and its
+        terms are added to ``sums`` on it. True where skip_step dropped state the step made."""
         cfg, rt, st, model, opt = self.config, self.runtime, self.strategy, self.model, self.optimizer
         accum, guard = cfg.grad_accum_steps, cfg.nan_policy == "skip_step"
         batch = self._on_device(batch, training=True)
@@ -730,7 +734,7 @@ class Trainer:
         group = self._group = (self._group or SkippedGroup(sums, accum)) if guard and accum > 1 else None
         if last_micro:
             st.reduce_gradients(opt)
-            scaler = self.grad_scaler
+            scaler, remade = self.grad_scaler, False
             if scaler is not None:
                 scaler.unscale_(opt)  # clipping sees the true gradients
             if guard or cfg.clip_grad_norm is not None:
@@ -744,11 +748,11 @@ class Trainer:
                 # lowers its scale. Unless the optimizer is fused, it reads on the host whether
                 # they did: a planned read, once per optimizer step, as every fp16 loop has it.
                 with rt.planned_transfers():
-                    guarded_step(opt, finite, lambda: scaler.step(opt)) if guard else scaler.step(opt)
+                    remade = guarded_step(opt, finite if guard else None, lambda: scaler.step(opt))
                 scaler.update()
             else:
                 with rt.planned_transfers() if guard else contextlib.nullcontext():  # skip_step reads once (guarded_step)
-                    st.optimizer_step(opt, finite if guard else None)
+                    remade = st.optimizer_step(opt, finite if guard else None)
             opt.zero_grad(set_to_none=True)
             if self.scheduler is not None and cfg.scheduler_interval == "step":
                 self.scheduler.step()
@@ -759,6 +763,7 @@ class Trainer:
         add_to_sums(sums, values, finite, skip=guard, group=group, last_micro=last_micro)
         rt.step_end()
         cursor.step = step
+        return last_micro and remade
 
     def _on_device(self, batch: Any, *, training: bool) -> Any:
         """A batch on the device as the model gets it: channels-last images (``channels_last``), then
