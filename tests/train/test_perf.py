@@ -391,6 +391,37 @@ def test_adam_and_sgd_state_is_known_without_a_step_and_equals_a_real_step(setti
         assert real[False] > 0 or options == {"momentum": 0.0}
 
 
+class _LateBranch(nn.Module):
+    """A head that gets its first gradient at the second step (a multi-task or gated branch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.late, self.calls = nn.Linear(16, 4), nn.Linear(16, 4), 0
+
+    def forward(self, x):
+        self.calls += self.training and torch.is_grad_enabled()
+        return self.body(x) + (self.late(x) if self.calls > 1 or not self.training else 0)
+
+
+@pytest.mark.parametrize("options", [{"momentum": 0.9}, {"momentum": 0.9, "nesterov": True}, {}],
+                         ids=["momentum", "nesterov", "plain"])
+def test_sgd_with_momentum_keeps_torchs_default_step_and_trains_a_branch_that_starts_late(options, tmp_path):
+    """torch's fused SGD raised TypeError at the step where a branch got its first gradient (some
+    parameters with a momentum buffer, others without one yet); its default step takes that."""
+    def fit(run, **fused):
+        torch.manual_seed(0)
+        trainer = xlatrain.Trainer(_LateBranch(), nn.MSELoss(), functools.partial(torch.optim.SGD, lr=0.05, **options, **fused),
+                                   config=xlatrain.TrainConfig(epochs=1, batch_size=16, run_dir=str(tmp_path / run),
+                                                               tensorboard=False), backend="cpu")
+        return trainer, trainer.fit(_regression(128, dim=16))
+
+    trainer, history = fit("auto")
+    assert trainer.optimizer.defaults["fused"] is (None if options else True)
+    assert math.isfinite(history[0]["train_loss"])
+    _, expected = fit("default", fused=False)
+    assert history[0]["train_loss"] == pytest.approx(expected[0]["train_loss"], rel=1e-5)
+
+
 @pytest.mark.parametrize("kind", [torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad])
 def test_an_optimizer_with_a_fused_cpu_kernel_is_built_fused_said_and_trains_as_torchs_default(kind, tmp_path, caplog):
     """Adagrad makes its state as it is built: it was left unfused as if it had stepped."""

@@ -508,7 +508,8 @@ def fused_optimizer(
     A fused step computes the same update in one kernel per parameter group instead of a few per
     tensor list; rounding may differ in the last bits. Sharded (DTensor) parameters keep the
     default implementation, and so do the weights of ``model``'s sparse embeddings
-    (``nn.Embedding(sparse=True)``): no fused kernel takes a sparse gradient.
+    (``nn.Embedding(sparse=True)``): no fused kernel takes a sparse gradient. SGD with momentum
+    keeps it too (its fused step takes no parameter stepped later than the others).
     """
     import inspect
 
@@ -528,6 +529,11 @@ def fused_optimizer(
     if len(devices) != 1 or not devices <= set(kernel):
         return optimizer, None
     if defaults.get("differentiable") or defaults.get("capturable") or _stepped(optimizer):
+        return optimizer, None
+    if issubclass(cls, torch.optim.SGD) and any(g.get("momentum") for g in optimizer.param_groups):
+        # torch's fused SGD raises (TypeError) at a step where some parameters have a momentum
+        # buffer and others, stepped for the first time, have none yet: a branch whose first
+        # gradient comes after the first step, or state skip_step dropped. Its default takes both.
         return optimizer, None
     if any(type(p.data) is not torch.Tensor or not p.is_floating_point() for p in params):
         return optimizer, None  # DTensors (FSDP) and the like keep the default
