@@ -71,6 +71,65 @@ def test_evaluate_counts_each_sample_once_when_batches_do_not_divide(tmp_path):
     assert metrics["accuracy"] == pytest.approx(expected_acc)
 
 
+class _Tagger(nn.Module):
+    """Per-token logits ``[B, C, T]`` of a ``[B, T, 6]`` input, as a token tagger gives them."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.head = nn.Linear(6, 5)
+
+    def forward(self, x):
+        return self.head(x).transpose(1, 2)
+
+
+def _tokens(n=37, t=7):
+    """Token targets with -100 (ignored) at positions that grow with the row: none in the first
+    batch of 8, so a check on the first batch alone would not see them."""
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(n, t, 6, generator=g), torch.randint(0, 5, (n, t), generator=g)
+    for i in range(8, n):
+        y[i, : i % t + 1] = -100
+    return TensorDataset(x, y)
+
+
+@pytest.mark.parametrize("case", ["ce-weight", "ce-ignored-tokens", "nll-weight-ignored", "functional-ce-ignored",
+                                  "kl-batchmean", "mse-sum", "function-weighted"])
+def test_the_validation_loss_is_the_loss_over_the_set_as_the_loss_takes_its_mean(tmp_path, case, caplog):
+    """Evaluation sums a loss's unreduced values on the device. A weighted cross-entropy, ignored
+    targets (-100: padding, a segmentation's void), a "batchmean" or a "sum" were averaged per
+    row: val_loss read 1.25 for 2.01, 2.63 for 1.68, 1.15 for 55.2. Each is now what the loss
+    gives over the whole set at once, with batches that do not divide it (37 rows in 8s)."""
+    caplog.set_level(logging.INFO, logger="xlatrain")
+    weight = torch.tensor([1.0, 4.0, 0.25, 2.0, 0.5])
+
+    def weighted(outputs, targets, reduction="mean"):  # a hand-written weighted mean: only the check sees it
+        return F.cross_entropy(outputs, targets, weight=weight, reduction=reduction)
+
+    model, data = _Tagger(), _tokens()
+    loss_fn = {
+        "ce-weight": nn.CrossEntropyLoss(weight=weight), "ce-ignored-tokens": nn.CrossEntropyLoss(),
+        "nll-weight-ignored": nn.NLLLoss(weight=weight), "functional-ce-ignored": F.cross_entropy,
+        "kl-batchmean": nn.KLDivLoss(reduction="batchmean"), "mse-sum": nn.MSELoss(reduction="sum"),
+        "function-weighted": weighted,
+    }[case]
+    if case in ("ce-weight", "function-weighted"):
+        data = TensorDataset(data.tensors[0], data.tensors[1].clamp(min=0))
+    if case in ("kl-batchmean", "nll-weight-ignored"):
+        model = nn.Sequential(model, nn.LogSoftmax(dim=1))
+    if case in ("kl-batchmean", "mse-sum"):
+        data = TensorDataset(data.tensors[0], torch.softmax(torch.randn(37, 5, 7, generator=torch.Generator().manual_seed(1)), 1))
+    trainer = Trainer(model, loss_fn, functools.partial(torch.optim.SGD, lr=0.1),
+                      config=TrainConfig(epochs=1, batch_size=8, task="none", run_dir=str(tmp_path)), backend="cpu")
+    metrics = trainer.evaluate(data)
+    with torch.no_grad():
+        expected = float(loss_fn(model(data.tensors[0]), data.tensors[1]))
+    assert metrics["loss"] == pytest.approx(expected, rel=1e-5)
+    per_sample = trainer._eval_loss.mode == "per_sample"
+    assert per_sample == (case != "mse-sum" and case != "function-weighted")
+    assert ("do not average to its own value" in caplog.text) == (case == "function-weighted")
+
+
 def test_predict_returns_every_row_in_dataset_order(tmp_path):
     data = _classification(29, seed=5)
     trainer = _trainer(tmp_path, batch_size=8)

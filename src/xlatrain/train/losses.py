@@ -16,11 +16,15 @@ count. It uses one of two forms, chosen by a dry run on one batch before trainin
 - per sample: an ``nn`` loss module with a ``reduction`` attribute, or a function taking
   ``reduction=``, called with ``reduction="none"`` returns one value per sample (a ``[B]``
   tensor, or a mapping of them). Padded rows are masked out of on-device sums, so the validation
-  loss is the mean over samples;
-- whole set: any other loss (a Dice or an RMSE over the batch, say). The outputs and targets of
-  every real validation row are gathered to the host in dataset order (padding dropped) and the
-  loss is computed once over all of them, in float32 on the CPU: exactly ``loss_fn`` over the
-  whole validation set in one pass, as the user defined it.
+  loss is the mean over samples. A cross-entropy or NLL loss's mean is the one it takes itself:
+  over the targets it does not ignore (``ignore_index``), weighted by ``weight``; a
+  ``"batchmean"`` KL divergence sums each row. The form is used only where it averages to the
+  loss's own value on the dry run's batch;
+- whole set: any other loss (a Dice or an RMSE over the batch, a ``reduction="sum"``, a function
+  whose unreduced values are weighted or ignore some targets). The outputs and targets of every
+  real validation row are gathered to the host in dataset order (padding dropped) and the loss is
+  computed once over all of them, in float32 on the CPU: exactly ``loss_fn`` over the whole
+  validation set in one pass, as the user defined it.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -88,6 +93,40 @@ def rows_mean(values: torch.Tensor) -> torch.Tensor:
     return values.float().reshape(values.shape[0], -1).mean(dim=1)
 
 
+def _rows_sum(values: torch.Tensor) -> torch.Tensor:
+    return values.float().reshape(values.shape[0], -1).sum(dim=1)
+
+
+class _TargetWeights:
+    """The weight a cross-entropy or NLL loss's ``"mean"`` gives each row: the sum over its targets
+    of ``weight[target]`` (1 without ``weight``), the ignored ones (``ignore_index``, -100 unless
+    set) counting 0. The mean divides the weighted sum by these, not by the row count."""
+
+    def __init__(self, weight: torch.Tensor | None, ignore_index: int) -> None:
+        self.weight, self.ignore_index = weight, ignore_index
+
+    @classmethod
+    def of(cls, loss_fn: Any) -> _TargetWeights | None:
+        """For a cross-entropy or NLL module, or torch's function (bare or in a
+        ``functools.partial``), that takes the mean; else None."""
+        if isinstance(loss_fn, (torch.nn.CrossEntropyLoss, torch.nn.NLLLoss)):
+            return cls(loss_fn.weight, loss_fn.ignore_index) if loss_fn.reduction == "mean" else None
+        func, keywords = (loss_fn.func, loss_fn.keywords) if isinstance(loss_fn, functools.partial) and not loss_fn.args \
+            else (loss_fn, {})
+        if func not in (torch.nn.functional.cross_entropy, torch.nn.functional.nll_loss):
+            return None
+        return cls(keywords.get("weight"), keywords.get("ignore_index", -100)) if keywords.get("reduction", "mean") == "mean" \
+            else None
+
+    def __call__(self, targets: Any) -> torch.Tensor | None:
+        if not isinstance(targets, torch.Tensor) or targets.is_floating_point():
+            return None  # class probabilities: a plain mean over positions
+        kept = targets != self.ignore_index
+        per_target = kept.float() if self.weight is None else \
+            self.weight.to(targets.device).float()[torch.where(kept, targets, 0)] * kept
+        return _rows_sum(per_target)
+
+
 class EvalLoss:
     """How evaluation computes the loss: ``per_sample`` on the device, or ``whole_set`` on the host.
 
@@ -100,6 +139,10 @@ class EvalLoss:
         self.loss_fn = loss_fn
         self.per_sample = per_sample
         self.own = own  # the model's own loss, taken from its outputs (loss_fn=None)
+        # The weight each row carries in the loss's mean (where it is not one per row).
+        self.target_weights = _TargetWeights.of(loss_fn) if per_sample is not None else None
+        self._batchmean = getattr(loss_fn, "reduction", None) == "batchmean"  # a KL divergence: row sums over rows
+        self.note: str | None = None  # why a per-sample form was not used, where it was not
 
     @property
     def mode(self) -> str:
@@ -111,21 +154,43 @@ class EvalLoss:
 
     @classmethod
     def choose(cls, loss_fn: LossFn, outputs: Any, targets: Any) -> EvalLoss:
-        """Try the per-sample form on one batch; fall back to the whole set when there is none."""
+        """Try the per-sample form on one batch: where there is none, or its rows do not average
+        to what ``loss_fn`` itself returns for the batch (reads two numbers on the host, before
+        training), the whole set decides."""
         form = per_sample_form(loss_fn)
-        if form is not None:
-            try:
-                result = form(outputs, targets)
-                loss_terms(result, per_sample=True)
-            except _ScalarUnderNone:
-                form = None  # a reduction attribute that the loss does not honour
-        return cls(loss_fn, form)
+        if getattr(loss_fn, "reduction", "mean") not in ("mean", "batchmean"):
+            form = None  # a "sum" grows with the set: only the whole set is loss_fn over it
+        chosen = cls(loss_fn, form)
+        if form is None:
+            return chosen
+        try:
+            rows = chosen.rows(outputs, targets)
+        except _ScalarUnderNone:
+            return cls(loss_fn, None)  # a reduction attribute that the loss does not honour
+        with torch.no_grad():
+            own, _ = loss_terms(loss_fn(outputs, targets))
+        weights = chosen.weights(targets)
+        mean = rows["loss"].sum() / (weights.sum() if weights is not None else rows["loss"].shape[0])
+        own_value, mean_value = float(own), float(mean)
+        if math.isclose(own_value, mean_value, rel_tol=1e-3, abs_tol=1e-6) or not math.isfinite(own_value):
+            return chosen
+        whole = cls(loss_fn, None)
+        whole.note = (f"note: val_loss is loss_fn over the whole validation set, computed on the host: its "
+                      f"reduction='none' values do not average to its own value on a validation batch ({mean_value:.6g} "
+                      f"against {own_value:.6g}: a sum, a weighted mean, or targets it ignores)")
+        return whole
+
+    def weights(self, targets: Any) -> torch.Tensor | None:
+        """Per-sample mode: the weight of each row in the loss's mean, ``[B]``; None: one each."""
+        return self.target_weights(targets) if self.target_weights is not None else None
 
     def rows(self, outputs: Any, targets: Any) -> dict[str, torch.Tensor]:
-        """Per-sample mode: ``{"loss": [B], term: [B], ...}`` as float32 row means."""
+        """Per-sample mode: ``{"loss": [B], term: [B], ...}``, float32, each row's share of the
+        loss: its mean, or its sum where the loss's mean divides by :meth:`weights` or the rows."""
         assert self.per_sample is not None
         total, terms = loss_terms(self.per_sample(outputs, targets), per_sample=True)
-        return {"loss": rows_mean(total), **{k: rows_mean(v) for k, v in terms.items()}}
+        row = _rows_sum if self._batchmean or self.weights(targets) is not None else rows_mean
+        return {"loss": row(total), **{k: row(v) for k, v in terms.items()}}
 
     def whole_set(self, outputs: Any, targets: Any) -> dict[str, float]:
         """Whole-set mode: the loss and its terms over every validation row at once, on the CPU."""

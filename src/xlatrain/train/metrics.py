@@ -155,6 +155,7 @@ class EvalAccumulator:
         self.sums: dict[str, torch.Tensor] = {}
         device = runtime.device
         self.count = torch.zeros((), device=device)
+        self.weight = None  # the loss's mean divides by this where its rows carry weights (target_weights)
         self.correct = torch.zeros((), device=device)
         self.top_correct = [torch.zeros((), device=device) for _ in self.top_k]
         # torchmetrics' metrics sync themselves over torch.distributed at compute().
@@ -188,6 +189,9 @@ class EvalAccumulator:
             for name, values_B in self.loss.rows(self.io.field(as_float(outputs)), targets).items():
                 masked = (values_B * mask_B).sum()
                 self.sums[name] = self.sums[name] + masked if name in self.sums else masked
+            if (weights_B := self.loss.weights(targets)) is not None:
+                weight = (weights_B * mask_B).sum()
+                self.weight = weight if self.weight is None else self.weight + weight
         if self.task == "classification":
             if targets.is_floating_point():  # soft targets (label smoothing, mixup): their likeliest class
                 targets = targets.argmax(dim=1)
@@ -214,12 +218,14 @@ class EvalAccumulator:
     ) -> dict[str, float]:
         """Reduce over processes, read once, and return host floats."""
         names = list(self.sums)
-        stacked = torch.stack([self.sums[n] for n in names] + [self.count, self.correct, *self.top_correct])
+        weight = [self.weight] if self.weight is not None else []
+        stacked = torch.stack([self.sums[n] for n in names] + [self.count, self.correct, *self.top_correct, *weight])
         (sums,) = runtime.read([strategy.all_reduce_sum(stacked)])
         values = sums.double().tolist()
         *term_sums, count, correct = values[: len(names) + 2]
-        top_correct = values[len(names) + 2:]
-        out: dict[str, float] = {name: value / count for name, value in zip(names, term_sums)}
+        top_correct = values[len(names) + 2: len(names) + 2 + len(self.top_correct)]
+        divisor = values[-1] if weight else count
+        out: dict[str, float] = {name: value / divisor if divisor else math.nan for name, value in zip(names, term_sums)}
         out["num_samples"] = int(count)
         if self.task == "classification":
             out["accuracy"] = correct / count

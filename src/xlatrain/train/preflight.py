@@ -211,6 +211,8 @@ def _validation_batch(trainer: Trainer, val_data: Any) -> list[str] | None:
                 outputs = io.call(model, batch)
             predictions = io.predictions(outputs)
             trainer._eval_loss = _eval_loss(trainer, outputs, predictions, targets)
+            if trainer._eval_loss.note:
+                trainer._say(trainer._eval_loss.note)
             if trainer._eval_loss.mode == "whole_set" and (note := _whole_set_note(trainer, outputs, targets, val_data)):
                 trainer._say(note)
             if trainer.task == "auto":
