@@ -247,6 +247,45 @@ def test_bert_classifier_trains_on_ragged_batches_padded_in_training_and_validat
     assert history[-1]["val_accuracy"] == pytest.approx(hand_accuracy)
 
 
+def test_a_token_tagger_on_batches_padded_to_their_own_length_gives_its_metrics_and_predictions(tmp_path):
+    """Batches padded to 8 and to 16 tokens: joining their outputs raised (sizes 8 and 16) after
+    the first epoch had trained, in a metrics_fn's rows and in predict. The narrower ones are
+    padded with -100, as the Hugging Face Trainer pads predictions and labels."""
+    config = transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                                     vocab_size=50, num_labels=3, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = transformers.BertForTokenClassification(config)
+    g = torch.Generator().manual_seed(0)
+
+    def items(lengths):
+        ids = [torch.randint(5, 50, (n,), generator=g) for n in lengths]
+        return [{"input_ids": i, "labels": i % 3} for i in ids]
+
+    train, val = items([4, 5, 6, 7] * 2), items([3, 4, 5, 6, 12, 13, 14, 15])  # val: batches of 8 and 16 tokens
+    collate = xlatrain.PadCollate(pad_to_multiple_of=8, attention_mask="attention_mask")
+    seen = []
+
+    def token_accuracy(logits, labels):
+        seen.append((tuple(logits.shape), tuple(labels.shape)))
+        kept = labels != -100
+        return {"token_accuracy": float((logits.argmax(-1)[kept] == labels[kept]).float().mean())}
+
+    trainer = _trainer(model, None, tmp_path / "run", epochs=1, batch_size=4, collate_fn=collate, metrics_fn=token_accuracy)
+    row = trainer.fit(train, val)[-1]
+    assert seen[-1] == ((8, 16, 3), (8, 16))
+    model.eval()
+    hits = total = 0
+    with torch.no_grad():
+        for chunk in (val[:4], val[4:]):
+            batch = collate(chunk)
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            kept = batch["labels"] != -100
+            hits, total = hits + int((logits.argmax(-1)[kept] == batch["labels"][kept]).sum()), total + int(kept.sum())
+    assert row["val_token_accuracy"] == pytest.approx(hits / total)
+    predicted = trainer.predict(val)
+    assert predicted.shape == (8, 16, 3) and bool((predicted[:4, 8:] == -100).all())  # the logits
+
+
 def test_timm_mixup_mixes_training_only_with_ema_and_top5(tmp_path):
     from timm.data import Mixup
     from timm.loss import SoftTargetCrossEntropy

@@ -97,11 +97,36 @@ class RowCollector:
         real = order < lay.num_samples
         columns = []
         for i in range(len(self._host[0])):
-            col = torch.cat([batch[i] for batch in self._host])
+            col = padded_cat([batch[i] for batch in self._host])
             out = torch.empty((lay.num_samples, *col.shape[1:]), dtype=col.dtype)
             out[order[real]] = col[real]
             columns.append(out)
         return tree_unflatten(columns, self._spec)
+
+
+# What fills the positions a batch did not have where batches of different widths are joined
+# (sequences padded per batch): the Hugging Face Trainer's padding for predictions and labels,
+# and the index a cross-entropy ignores by default.
+PAD_VALUE = -100
+
+
+def padded_cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat`` along rows of tensors whose other sizes may differ from batch to batch
+    (tokens padded to each batch's longest): each is padded at the end of every such dimension to
+    the largest, with :data:`PAD_VALUE` (False for booleans)."""
+    sizes = {tuple(p.shape[1:]) for p in parts}
+    if len(sizes) == 1:
+        return torch.cat(parts)
+    if len({len(size) for size in sizes}) > 1:
+        raise ValueError(f"evaluation's batches give outputs or targets of different ranks ({sorted(sizes)}): "
+                         "return the same structure for every batch")
+    widest = [max(size[d] for size in sizes) for d in range(len(next(iter(sizes))))]
+    padded = []
+    for part in parts:
+        out = part.new_full((part.shape[0], *widest), False if part.dtype == torch.bool else PAD_VALUE)
+        out[(slice(None), *(slice(0, n) for n in part.shape[1:]))] = part
+        padded.append(out)
+    return torch.cat(padded)
 
 
 # Output keys that hold an attention cache (Hugging Face's past_key_values, named cache and
