@@ -286,6 +286,35 @@ def test_a_token_tagger_on_batches_padded_to_their_own_length_gives_its_metrics_
     assert predicted.shape == (8, 16, 3) and bool((predicted[:4, 8:] == -100).all())  # the logits
 
 
+@pytest.mark.parametrize("labels", ["multi-hot", "one-hot", "regression"])
+def test_a_classifier_on_its_own_loss_gets_the_task_its_float_labels_say(tmp_path, labels):
+    """Float labels shaped like the logits were all taken for class probabilities: a multi-label
+    BERT (its own BCE) was scored by argmax accuracy (argmax of a multi-hot row) and monitored by
+    it. Rows of 0s and 1s that are not one-hot are multi-label (per-label AUC); rows that sum to
+    1 are classes; other floats are a regression's, with no accuracy."""
+    problem = {"multi-hot": "multi_label_classification", "one-hot": "multi_label_classification",
+               "regression": "regression"}[labels]
+    config = transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                                     vocab_size=50, num_labels=4, max_position_embeddings=32, problem_type=problem)
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(config)
+    g = torch.Generator().manual_seed(1)
+
+    def items(n):
+        ids = torch.randint(5, 50, (n, 10), generator=g)
+        y = {"multi-hot": lambda: (torch.rand(n, 4, generator=g) > 0.5).float(),
+             "one-hot": lambda: nn.functional.one_hot(torch.randint(0, 4, (n,), generator=g), 4).float(),
+             "regression": lambda: torch.randn(n, 4, generator=g)}[labels]()
+        y[0] = torch.tensor([1.0, 1.0, 0.0, 0.0]) if labels == "multi-hot" else y[0]  # surely not one-hot
+        return [{"input_ids": a, "labels": b} for a, b in zip(ids, y)]
+
+    trainer = _trainer(model, None, tmp_path / "run", epochs=1)
+    row = trainer.fit(items(16), items(8))[-1]
+    expected = {"multi-hot": ("multilabel", "val_mean_auc"), "one-hot": ("classification", "val_accuracy"),
+                "regression": ("none", "val_loss")}[labels]
+    assert (trainer.task, trainer.monitor) == expected and expected[1] in row
+
+
 def test_timm_mixup_mixes_training_only_with_ema_and_top5(tmp_path):
     from timm.data import Mixup
     from timm.loss import SoftTargetCrossEntropy

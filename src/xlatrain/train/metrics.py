@@ -38,9 +38,11 @@ def infer_task(loss_fn: Any) -> str:
 
 
 def task_from_shapes(predictions: Any, targets: Any) -> str:
-    """What a batch's shapes say the task is, where the loss does not (the model's own loss):
+    """What a batch says the task is, where the loss does not (the model's own loss):
     ``classification`` for ``[N, C]`` logits with ``[N]`` class indices or ``[N, C]`` class
-    probabilities, else ``none``."""
+    probabilities (rows that sum to 1: one-hot, smoothed, mixed), ``multilabel`` for ``[N, C]``
+    targets of 0s and 1s that are not one-hot (a multi-label classifier's), else ``none`` (float
+    targets of another kind are a regression's). Float targets are read once on the host."""
     if not (isinstance(predictions, torch.Tensor) and isinstance(targets, torch.Tensor)):
         return "none"
     if predictions.dim() != 2 or not predictions.is_floating_point() or predictions.shape[1] < 2:
@@ -49,7 +51,9 @@ def task_from_shapes(predictions: Any, targets: Any) -> str:
             and targets.shape[0] == predictions.shape[0]:
         return "classification"
     if targets.is_floating_point() and targets.shape == predictions.shape:
-        return "classification"
+        t = targets.detach().float()
+        binary, distribution = torch.stack([((t == 0) | (t == 1)).all(), ((t.sum(dim=1) - 1).abs() <= 1e-3).all()]).tolist()
+        return "classification" if distribution else "multilabel" if binary else "none"
     return "none"
 
 
