@@ -154,7 +154,11 @@ class TrainConfig:
         precision: ``"32"``, ``"bf16"`` (autocast; weights and optimizer state stay float32) or
             ``"fp16"`` (autocast to float16 with a gradient scaler, for GPUs without bfloat16:
             T4, V100, P100; CUDA and CPU only).
-        grad_accum_steps: micro-batches per optimizer step.
+        grad_accum_steps: micro-batches per optimizer step. Each micro-batch's loss is divided by
+            it, so the step follows the mean of the micro-batches' losses (as Lightning and
+            Accelerate do). Where a loss is a mean over tokens and micro-batches hold different
+            numbers of them, that weighs a token of a short micro-batch more than one batch of
+            them all would; the Hugging Face Trainer divides by the group's token count instead.
         clip_grad_norm: clip the global gradient norm to this value; ``None`` disables clipping.
         log_every: steps between progress lines; the only per-step-interval host reads.
         seed: seeds model init order, sampling and shuffling; each epoch reshuffles from it.
