@@ -286,6 +286,24 @@ def test_a_token_tagger_on_batches_padded_to_their_own_length_gives_its_metrics_
     assert predicted.shape == (8, 16, 3) and bool((predicted[:4, 8:] == -100).all())  # the logits
 
 
+def test_a_loss_handed_a_models_structured_output_names_output_field_before_training(tmp_path):
+    """A cross-entropy given a Hugging Face model's SequenceClassifierOutput raised torch's 'must
+    be Tensor' with nothing on the fix; the dry run adds it, and the fix named trains."""
+    config = transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                                     vocab_size=50, num_labels=3, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(config)
+    g = torch.Generator().manual_seed(1)
+    items = [{"input_ids": torch.randint(5, 50, (8,), generator=g), "labels": torch.tensor(i % 3)} for i in range(16)]
+    named = {"inputs": "input_ids", "targets": "labels"}
+    with pytest.raises(TypeError) as raised:
+        _trainer(model, nn.CrossEntropyLoss(), tmp_path / "a", epochs=1, **named).fit(items)
+    assert any("a SequenceClassifierOutput, where it takes a tensor: set output_field" in n for n in raised.value.__notes__)
+    assert not (tmp_path / "a" / "history.json").exists()  # before any step
+    row = _trainer(model, nn.CrossEntropyLoss(), tmp_path / "b", epochs=1, output_field="logits", **named).fit(items)[-1]
+    assert math.isfinite(row["train_loss"])
+
+
 @pytest.mark.parametrize("labels", ["multi-hot", "one-hot", "regression"])
 def test_a_classifier_on_its_own_loss_gets_the_task_its_float_labels_say(tmp_path, labels):
     """Float labels shaped like the logits were all taken for class probabilities: a multi-label

@@ -301,6 +301,10 @@ def check_task(task: str, outputs: Any, targets: Any, top_k: Sequence[int] = (),
 _TARGET_OUT_OF_BOUNDS = re.compile(r"Target (-?\d+) is out of bounds")
 
 
+# A torch op handed a model's structured output (a Hugging Face ModelOutput, a dict) for a tensor.
+_NOT_A_TENSOR = re.compile(r"must be Tensor, not (\w*Output\w*|dict)\b")
+
+
 def error_hints(exc: BaseException, trainer: Any, indices: list[int] | None = None, outputs: Any = None,
                 targets: Any = None) -> list[str]:
     """What xlatrain can add to an error the model or the loss raised, where it knows the cause:
@@ -321,6 +325,14 @@ def error_hints(exc: BaseException, trainer: Any, indices: list[int] | None = No
         hints.append(
             f"xlatrain: class index {bad} is outside 0..{classes - 1}: the model has {classes} outputs{where}. Give the "
             f"model's last layer one output per class (num_outputs), or map the labels to 0..{classes - 1} in the dataset"
+        )
+    structured = _NOT_A_TENSOR.search(text)
+    io = getattr(trainer, "io", None)
+    if structured and io is not None and not io.own_loss and io.output_field is None:
+        hints.append(
+            f"xlatrain: loss_fn got the model's whole output, a {structured.group(1)}, where it takes a tensor: set "
+            "output_field to the field it reads (output_field='logits' for a Hugging Face model), and loss_fn, metrics "
+            "and predict get that field"
         )
     if "view size is not compatible" in text and getattr(trainer, "channels_last", False):
         hints.append(
