@@ -122,8 +122,9 @@ class _TargetWeights:
         if not isinstance(targets, torch.Tensor) or targets.is_floating_point():
             return None  # class probabilities: a plain mean over positions
         kept = targets != self.ignore_index
-        per_target = kept.float() if self.weight is None else \
-            self.weight.to(targets.device).float()[torch.where(kept, targets, 0)] * kept
+        if self.weight is not None and self.weight.device != targets.device:
+            self.weight = self.weight.to(targets.device)  # once: a function's weights may sit on the host
+        per_target = kept.float() if self.weight is None else self.weight.float()[torch.where(kept, targets, 0)] * kept
         return _rows_sum(per_target)
 
 
