@@ -78,7 +78,8 @@ class IntervalMeter:
         start_sums: the epoch's loss sum and count of non-finite steps at ``start_step`` (from a
             checkpoint, each a mean over processes), so the first interval after a resume measures
             its own mean; ``None`` with ``start_step`` > 0 makes that first interval the epoch
-            mean instead.
+            mean instead. A third number counts steps before ``start_step`` that skip_step
+            skipped before a resume under another policy: in no sum, left out of the epoch mean.
         skipped_out: ``nan_policy='skip_step'``: a non-finite step adds nothing to the loss sum,
             and means are over the steps that counted (as the epoch's ``train_loss`` is); NaN
             where none did.
@@ -86,11 +87,12 @@ class IntervalMeter:
             their total.
     """
 
-    def __init__(self, start_step: int, *, samples_per_step: int, start_sums: tuple[float, float] | None = None,
+    def __init__(self, start_step: int, *, samples_per_step: int, start_sums: tuple[float, ...] | None = None,
                  warm_until: int | None = None, skipped_out: bool = False, processes: int = 1) -> None:
         self._samples_per_step = samples_per_step
         self._last_step = start_step
-        self._last_sum, self._last_bad = (0.0, 0.0) if start_step == 0 else (start_sums or (None, 0.0))
+        self._last_sum, self._last_bad, *skipped = (0.0, 0.0) if start_step == 0 else (start_sums or (None, 0.0))
+        self._skipped_before = skipped[0] if skipped else 0.0
         self._last_time = time.perf_counter()
         self.warm_until = start_step if warm_until is None else warm_until  # moves on where the warm-up does
         self._skipped_out, self._processes = skipped_out, processes
@@ -108,7 +110,7 @@ class IntervalMeter:
 
         rate = done * self._samples_per_step / max(now - self._last_time, 1e-9) if self._last_step >= self.warm_until \
             else None
-        epoch_loss = mean(loss_sum, step, nonfinite)
+        epoch_loss = mean(loss_sum, step - self._skipped_before, nonfinite)
         interval_loss = mean(loss_sum - self._last_sum, done, nonfinite - self._last_bad) \
             if self._last_sum is not None and done > 0 else epoch_loss
         self._last_step, self._last_sum, self._last_time, self._last_bad = step, loss_sum, now, nonfinite

@@ -123,6 +123,90 @@ def test_skip_step_at_the_first_step_with_an_ema_waits_for_the_first_step_taken(
     assert row["nonfinite_steps"] == 1
     assert all(torch.isfinite(e).all() for _, e in trainer.ema.pairs()) and len(trainer.ema.pairs()) == 2
 
+def test_an_ema_turned_off_at_a_resume_is_dropped_and_one_turned_on_again_starts_afresh(tmp_path, caplog):
+    """A fit without an EMA resumed from one with it kept the checkpoint's average in the optimizer's
+    state and saved it again; an EMA turned on at a later resume took that stale average up as if
+    current, where RESUME_RULES promises that it starts there."""
+    from xlatrain.checkpoint import latest_name, read_checkpoint
+
+    def fit(run_dir, epochs, ema_decay):
+        trainer = Trainer(_model(), nn.CrossEntropyLoss(), functools.partial(torch.optim.Adam, lr=0.01),
+                          config=TrainConfig(epochs=epochs, batch_size=BATCH, run_dir=str(run_dir), log_every=1000,
+                                             tensorboard=False, ema_decay=ema_decay),
+                          backend="cpu", sampler=list(range(N)))
+        trainer.fit(_data())
+        return trainer
+
+    caplog.set_level("INFO", logger="xlatrain")
+    fit(tmp_path / "on", 1, 0.8)
+    assert "moving average of the weights is dropped" not in caplog.text
+    off = fit(tmp_path / "on", 2, None)
+    assert caplog.text.count("the checkpoint's moving average of the weights is dropped") == 1
+    assert not any("xlatrain_ema" in state for state in off.optimizer.state.values())
+    checkpoints = tmp_path / "on" / "checkpoints"
+    tensors, _ = read_checkpoint(checkpoints / latest_name(checkpoints))
+    assert tensors and not any("xlatrain_ema" in name for name in tensors)
+    again = fit(tmp_path / "on", 3, 0.8)
+    fit(tmp_path / "off", 2, None)
+    fresh = fit(tmp_path / "off", 3, 0.8)  # a run whose EMA starts in epoch 3
+    assert all(torch.equal(a, b) for a, b in zip(again.model.parameters(), fresh.model.parameters()))
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(again.ema.pairs(), fresh.ema.pairs()))
+
+
+def test_the_disk_check_before_the_first_step_counts_the_ema_copy_of_the_weights(tmp_path, monkeypatch):
+    """Before the first step the optimizer holds no state, whose size is then estimated from its
+    kind; the EMA's copy of every parameter, saved with that state in each checkpoint, was left
+    out, so a disk with room for two checkpoints without it passed the check."""
+    import shutil
+    from types import SimpleNamespace
+
+    from xlatrain.backend.model_state import checkpoint_bytes
+    from xlatrain.storage.lock import RunDirError
+
+    def fit(run_dir, ema_decay):
+        Trainer(_model(), nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9),
+                config=TrainConfig(epochs=1, batch_size=BATCH, run_dir=str(run_dir), log_every=1000, tensorboard=False,
+                                   ema_decay=ema_decay),
+                backend="cpu").fit(_data())
+
+    model = _model()
+    weights, momenta = checkpoint_bytes(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    averages = sum(p.numel() * p.element_size() for p in model.parameters())
+    free = 2 * (weights + momenta) + averages  # two checkpoints without the averages, not with them
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=free))
+    fit(tmp_path / "without", None)
+    with pytest.raises(RunDirError, match=r"for two checkpoints \(each about .* of weights and .* of optimizer state"):
+        fit(tmp_path / "with", 0.8)
+
+
+def test_a_step_skip_step_skipped_leaves_the_average_as_it_was(tmp_path):
+    """skip_step leaves the weights and the optimizer's state as they were at a skipped step; the
+    average, kept in that state, was still updated after it, pulled toward the unchanged weights
+    once more (with decay 0.5, halfway)."""
+    from test_resume import _NanAt, _tiny_data
+
+    seen = {}
+
+    class Averages:
+        def on_interval(self, trainer, values):
+            seen[values["global_step"]] = [e.clone() for _, e in trainer.ema.pairs()]
+
+    loss_fn = _NanAt(3)
+    torch.manual_seed(0)
+    trainer = Trainer(nn.Linear(4, 2), loss_fn, functools.partial(torch.optim.Adam, lr=0.01),
+                      config=TrainConfig(epochs=1, batch_size=5, run_dir=str(tmp_path), log_every=1, tensorboard=False,
+                                         nan_policy="skip_step", ema_decay=0.5),
+                      backend="cpu", callbacks=[loss_fn, Averages()])
+    assert trainer.fit(_tiny_data())[0]["nonfinite_steps"] == 1
+    assert all(torch.equal(a, b) for a, b in zip(seen[2], seen[3]))
+    # By hand: the first step's weights start the average; each step taken but the skipped third moves it.
+    after = {k: loss_fn.weights[k + 1] for k in range(1, 8)} | {8: trainer.model.weight.detach()}
+    average = after[1]
+    for k in (2, 4, 5, 6, 7, 8):
+        average = 0.5 * average + 0.5 * after[k]
+    torch.testing.assert_close(trainer.ema.pairs()[0][1], average, rtol=1e-6, atol=1e-7)
+
+
 def test_batch_norm_statistics_recomputed_for_the_ema_weights_score_them_as_update_bn_does(tmp_path):
     trainer = _ema_trainer(tmp_path, ema_bn_batches=2)
     row = trainer.fit(_data(), _data(12, 1))[-1]
@@ -140,6 +224,24 @@ def test_batch_norm_statistics_recomputed_for_the_ema_weights_score_them_as_upda
     # ... and the live model's statistics are put back: the next epoch trains on them.
     live = trainer.model[1]
     assert not torch.equal(live.running_mean, scored[1].running_mean)
+
+
+def test_ema_bn_batches_on_a_model_without_batch_norm_is_said_to_do_nothing(tmp_path, caplog):
+    """A ViT (layer norms only) with ema_bn_batches=2 had its header say that batch-norm statistics
+    were recomputed before each EMA evaluation, where there are none to recompute."""
+    caplog.set_level("INFO", logger="xlatrain")
+    torch.manual_seed(0)
+    no_norm = nn.Sequential(nn.Linear(6, 16), nn.LayerNorm(16), nn.ReLU(), nn.Linear(16, 2))
+    Trainer(no_norm, nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1),
+            config=TrainConfig(epochs=2, batch_size=BATCH, run_dir=str(tmp_path / "no_norm"), log_every=1000,
+                               tensorboard=False, ema_decay=0.8, ema_bn_batches=2),
+            backend="cpu").fit(_data(), _data(12, 1))
+    assert caplog.text.count("ema_bn_batches=2 does nothing, as the model has no batch-norm layer") == 1
+    assert "statistics recomputed" not in caplog.text
+    caplog.clear()
+    _ema_trainer(tmp_path / "norm", ema_bn_batches=2).fit(_data(), _data(12, 1))
+    assert "batch-norm statistics recomputed over 2 training batch(es)" in caplog.text
+    assert "does nothing" not in caplog.text
 
 
 def test_a_freeze_made_in_on_epoch_start_survives_a_kill_and_resume(tmp_path):

@@ -438,6 +438,22 @@ def test_sums_resumed_on_another_process_count_keep_the_count_of_skipped_steps()
     own = [{"loss": 4.0, "nonfinite": 1.0}, {"loss": 6.0, "nonfinite": 0.0}]
     assert [resharded_sums(own, i, 4)["nonfinite"] for i in range(4)] == [1.0, 0.0, 0.0, 0.0]
 
+def test_steps_skipped_are_kept_apart_under_another_nan_policy_and_counted_again_under_skip_step():
+    """The sums a checkpoint holds, as the resuming run's nan_policy counts them: skip_step's count
+    is of skipped steps, kept apart under stop and ignore (whose counts are of non-finite steps
+    whose loss is in the sum), and counted with theirs again under skip_step."""
+    from xlatrain.train.resumable import counted_as
+
+    skipped = [{"loss": 4.0, "nonfinite": 2.0}, {"loss": 6.0, "nonfinite": 2.0}]  # alike under skip_step
+    apart = counted_as(skipped, "skip_step", "stop")
+    assert apart == [{"loss": 4.0, "nonfinite": 0.0, "skipped": 2.0}, {"loss": 6.0, "nonfinite": 0.0, "skipped": 2.0}]
+    later = [{"loss": 5.0, "nonfinite": 1.0, "skipped": 2.0}, {"loss": 7.0, "nonfinite": 0.0, "skipped": 2.0}]
+    assert counted_as(later, "ignore", "stop") == later
+    assert counted_as(later, "ignore", "skip_step") == [{"loss": 5.0, "nonfinite": 3.0}, {"loss": 7.0, "nonfinite": 2.0}]
+    assert counted_as(skipped, "skip_step", "skip_step") == skipped
+    assert counted_as([{"loss": 1.0, "nonfinite": 0.0}], "skip_step", "ignore") == [{"loss": 1.0, "nonfinite": 0.0}]
+
+
 def test_nan_policy_ignore_trains_on_and_reports_nan(tmp_path):
     trainer = _tiny_trainer(tmp_path, NanAtStep(5), batch_size=5, nan_policy="ignore")
     history = trainer.fit(_tiny_data())
@@ -453,6 +469,40 @@ class _StopAt:
     def on_interval(self, trainer, values):
         if (values["epoch"], values["step"]) == self.at:
             os.kill(os.getpid(), signal.SIGTERM)
+
+
+@pytest.mark.parametrize("then", ["stop", "ignore"])
+def test_a_step_skipped_before_a_resume_under_another_nan_policy_stays_a_skipped_step(tmp_path, then, caplog):
+    """skip_step skipped step 3 of 8 and the run stopped at step 5; resumed under stop or ignore on
+    clean data, the skipped step counted in the saved sums was taken for a new NaN (stop raised at
+    the first interval; every line said a non-finite step) and ignore divided train_loss by all 8
+    steps, though the skipped one's loss is in no sum. Stopped again under the new policy and
+    resumed, the run still knows that step was skipped."""
+    caplog.set_level(logging.INFO, logger="xlatrain")
+    heard = []
+
+    class Intervals:
+        def on_interval(self, trainer, values):
+            heard.append(values)
+
+    def trainer(run_dir, policy, loss_fn=None, callbacks=()):
+        return _tiny_trainer(run_dir, loss_fn, [Intervals(), *callbacks], batch_size=5, log_every=1, nan_policy=policy)
+
+    whole = trainer(tmp_path / "whole", "skip_step", NanAtStep(3)).fit(_tiny_data())[0]
+    assert whole["nonfinite_steps"] == 1
+    heard.clear()
+    with pytest.raises(SystemExit):
+        trainer(tmp_path / "cut", "skip_step", NanAtStep(3), [_StopAt(1, 5)]).fit(_tiny_data())
+    heard.clear()
+    with pytest.raises(SystemExit):  # under stop: no NonFiniteLossError
+        trainer(tmp_path / "cut", then, callbacks=[_StopAt(1, 7)]).fit(_tiny_data())
+    assert [v["step"] for v in heard] == [6, 7]
+    row = trainer(tmp_path / "cut", then).fit(_tiny_data())[0]
+    assert [v["step"] for v in heard] == [6, 7, 8] and all(v["nonfinite_steps"] == 0 for v in heard)
+    assert "non-finite steps" not in caplog.text.split("stopped after epoch 1 step 5")[1]
+    # The means are over the 7 steps that counted, as in the run that never stopped; the epoch says it skipped one.
+    assert row["train_loss"] == pytest.approx(whole["train_loss"], rel=1e-6) and row["nonfinite_steps"] == 1
+    assert heard[-1]["epoch_loss"] == pytest.approx(whole["train_loss"], rel=1e-6)
 
 
 def _tensor_lr_fit(run_dir, callbacks=()):

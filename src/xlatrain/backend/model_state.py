@@ -332,11 +332,17 @@ def _meta_step_bytes(
     return total
 
 
-def checkpoint_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, int]:
+def checkpoint_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                     copy_key: str | None = None) -> tuple[int, int]:
     """``(weights, optimizer state)``: bytes a checkpoint of the whole model holds (every process's
-    part together), from the real tensors; optimizer state not made yet is estimated from its kind."""
+    part together), from the real tensors; optimizer state not made yet is estimated from its kind.
+    ``copy_key``: the optimizer's state holds a copy of each parameter under that key (the
+    Trainer's moving average of the weights), counted where it is not made yet."""
     weights, _ = distinct_weights(module)
     weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())  # a DTensor's numel is whole
+    params = {id(p): p for g in optimizer.param_groups for p in g["params"]}.values()
+    copies = 0 if copy_key is None else \
+        sum(p.numel() * p.element_size() for p in params if copy_key not in optimizer.state.get(p, {}))
     if optimizer.state:
         seen: set[int] = set()
         optim_bytes = 0
@@ -346,9 +352,8 @@ def checkpoint_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer) 
                     seen.add(id(v))
                     optim_bytes += v.numel() * v.element_size()
     else:
-        params = {id(p): p for g in optimizer.param_groups for p in g["params"]}.values()
         optim_bytes = _optimizer_multiple(optimizer) * sum(p.numel() * p.element_size() for p in params)
-    return weight_bytes, optim_bytes
+    return weight_bytes, optim_bytes + copies
 
 
 def whole_weights_read(

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from xlatrain.backend.model_state import local
+
 EMA_KEY = "xlatrain_ema"  # the optimizer state entry holding a parameter's moving average
 EMA_WEIGHTS = "ema.safetensors"  # the EMA weights, written after each epoch
 
@@ -70,9 +72,10 @@ class WeightAverage:
         return [(p, state[p][EMA_KEY]) for group in self.optimizer.param_groups for p in group["params"]
                 if EMA_KEY in state.get(p, {})]
 
-    def after_step(self, global_step: int, epoch_step: int, epoch: int) -> None:
+    def after_step(self, global_step: int, epoch_step: int, epoch: int, taken: torch.Tensor | None = None) -> None:
         """Called after each optimizer step: ``global_step`` counts it over the run, ``epoch_step``
-        within ``epoch`` (both from 1)."""
+        within ``epoch`` (both from 1). ``taken`` (``skip_step``): whether the step was taken, on the
+        device; a skipped one leaves the average as it was, as it leaves the optimizer's state."""
         if self.rule == "torchvision":
             due, first_due_of_epoch = (epoch_step - 1) % self.every == 0, epoch_step == 1
         else:
@@ -85,7 +88,7 @@ class WeightAverage:
         if not self.ready:
             self._start()
         if due:
-            self.update(copy=copy)
+            self.update(copy=copy, taken=taken)
 
     @torch.no_grad()
     def _start(self) -> None:
@@ -101,11 +104,17 @@ class WeightAverage:
         self.ready = self.restored()
 
     @torch.no_grad()
-    def update(self, copy: bool = False) -> None:
+    def update(self, copy: bool = False, taken: torch.Tensor | None = None) -> None:
         """One averaging step over the parameters whose average has started (``copy``: the
-        weights themselves, as in the warm-up epochs)."""
+        weights themselves, as in the warm-up epochs), made only where ``taken`` holds, if given."""
         pairs = self.pairs()
-        if copy:
+        if taken is not None and pairs:
+            # Decided on the device: the step's weight times the flag. A skipped step leaves the
+            # weights finite and as they were, so a weight of 0 gives the average back exactly. One
+            # weight tensor per pair: lerp's single-tensor weight is read on the host (torch_xla).
+            rate = taken.float() * (1.0 if copy else 1.0 - self.decay)
+            torch._foreach_lerp_([local(e) for _, e in pairs], [local(p.detach()) for p, _ in pairs], [rate] * len(pairs))
+        elif copy:
             for p, e in pairs:
                 e.copy_(p.detach())
         elif pairs:
@@ -127,13 +136,32 @@ class WeightAverage:
                     p.detach().copy_(saved)
 
 
+def drop_averages(optimizer: torch.optim.Optimizer) -> bool:
+    """Remove every parameter's average from the optimizer's state (a run without an EMA resumed
+    from one with it: kept, it would ride along in each checkpoint and come back stale when an
+    EMA is turned on again); whether there was any."""
+    found = False
+    for p, entry in list(optimizer.state.items()):
+        if EMA_KEY in entry:
+            found = True
+            del entry[EMA_KEY]
+            if not entry:  # SGD without momentum keeps no state of its own
+                del optimizer.state[p]
+    return found
+
+
+def batch_norms(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's batch-norm layers that keep running statistics: what ``ema_bn_batches`` recomputes."""
+    return [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+
+
 @contextlib.contextmanager
 def recomputed_batch_norm(model: torch.nn.Module, batches: Iterable[Any], forward: Callable[[Any], Any]) -> Iterator[int]:
     """Inside, the model's batch-norm layers hold statistics recomputed for its current weights
     over ``batches`` (``torch.optim.swa_utils.update_bn``'s way: running statistics reset, each
     layer's momentum None so they become plain averages, forward passes in train mode without
     gradients); after, the statistics and momenta they had. Yields the batches used."""
-    norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+    norms = batch_norms(model)
     if not norms:
         yield 0
         return

@@ -18,6 +18,7 @@ import torch
 
 from xlatrain.backend.model_state import optimizer_implementation, restore_implementation
 from xlatrain.train.checks import required_positional
+from xlatrain.train.ema import drop_averages
 from xlatrain.checkpoint import (
     SHARDS_DIR,
     CheckpointError,
@@ -89,13 +90,20 @@ def resume(trainer: Trainer, resume: bool | str) -> tuple[Cursor, dict[str, torc
         st.load_whole(trainer.model, trainer.optimizer, weights, optim_state)
     restore_implementation(trainer.optimizer, implementation)
     restore_settings(trainer.optimizer, tensors_kept)
+    if trainer.ema is None and drop_averages(trainer.optimizer):
+        trainer._say("the checkpoint's moving average of the weights is dropped, as this run has no EMA "
+                     "(trainer.ema_decay=None): an EMA turned on later starts afresh")
     cursor, per_process_sums, rng = unpack_meta(meta, trainer.scheduler)
+    saved = meta.get("config") or {}
+    was = saved.get("trainer", saved).get("nan_policy", trainer.config.nan_policy)
+    per_process_sums = counted_as(per_process_sums, was, trainer.config.nan_policy)
     if trainer.grad_scaler is not None and "grad_scaler" in meta:
         trainer.grad_scaler.load_state_dict(meta["grad_scaler"])
     if cursor.epoch_done and cursor.best_epoch == cursor.epoch:
         cursor.best_checkpoint = path.name  # saved right after the best epoch: this one
     # What all_reduce_mean(sums["loss"]) reads at the first log interval, known here without a read.
-    trainer._start_sums = tuple(sum(p[k] for p in per_process_sums) / len(per_process_sums) for k in ("loss", "nonfinite"))
+    trainer._start_sums = tuple(sum(p.get(k, 0.0) for p in per_process_sums) / len(per_process_sums)
+                                for k in ("loss", "nonfinite", "skipped"))
     if len(rng) == st.num_processes:
         mine = per_process_sums[st.process_index]
         rt.set_rng_state(rng[st.process_index])
@@ -437,6 +445,22 @@ def resharded_sums(per_process: list[dict[str, float]], index: int, count: int, 
     out = {k: sum(p[k] for p in per_process) / len(per_process) for k in names}
     if not alike:
         out["nonfinite"] = sum(p["nonfinite"] for p in per_process) if index == 0 else 0.0
+    return out
+
+
+def counted_as(per_process: list[dict[str, float]], was: str, now: str) -> list[dict[str, float]]:
+    """Running sums saved under nan_policy ``was``, counted as ``now`` counts them. The steps
+    skip_step skipped are in its non-finite count and in no loss sum: under skip_step they stay
+    there; under stop and ignore they are kept apart as ``skipped`` (the same on every process), so
+    that stop takes only new non-finite steps for a fault and the means leave the skipped ones out."""
+    # (skipped, other non-finite) of each process
+    split = [(p["nonfinite"], 0.0) if was == "skip_step" else (p.get("skipped", 0.0), p["nonfinite"]) for p in per_process]
+    apart = now != "skip_step" and any(skipped for skipped, _ in split)  # every process alike, or none
+    out = []
+    for p, (skipped, other) in zip(per_process, split):
+        sums = {k: v for k, v in p.items() if k != "skipped"}
+        sums["nonfinite"] = skipped + other if now == "skip_step" else other
+        out.append({**sums, "skipped": skipped} if apart else sums)
     return out
 
 

@@ -187,10 +187,12 @@ class RunDirectory:
                 (self.path / run_lock.LOCK_FILE).unlink()
                 self.path.rmdir()
 
-    def check_disk_room(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def check_disk_room(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                        copy_key: str | None = None) -> None:
         """Refuse, before the first step, a run whose disk cannot hold two checkpoints (the newest
-        and the one being written), estimated from the model's and optimizer's real tensors."""
-        weights, optim = checkpoint_bytes(model, optimizer)
+        and the one being written), estimated from the model's and optimizer's real tensors
+        (``copy_key``: the EMA's, see :func:`checkpoint_bytes`)."""
+        weights, optim = checkpoint_bytes(model, optimizer, copy_key)
         error = None
         if self._strategy.is_main:
             free = shutil.disk_usage(self.path).free

@@ -43,7 +43,7 @@ from xlatrain.train import perf, preflight, resumable
 from xlatrain.train.batch import collate, tree_map
 from xlatrain.train.callbacks import Callbacks
 from xlatrain.train.checks import check_arguments, check_dataset, check_pipeline_arguments, in_step
-from xlatrain.train.ema import EMA_KEY, EMA_WEIGHTS, WeightAverage, recomputed_batch_norm
+from xlatrain.train.ema import EMA_KEY, EMA_WEIGHTS, WeightAverage, batch_norms, recomputed_batch_norm
 from xlatrain.train.factories import ModelParameters, OptimizerFactory, RunShape, SchedulerFactory
 from xlatrain.train.feed import TrainFeed, channels_last_choice, eval_batches, follow_num_workers, to_channels_last
 from xlatrain.train.losses import EvalLoss, SkippedGroup, add_to_sums, new_sums
@@ -261,7 +261,7 @@ class Trainer:
         self._group: SkippedGroup | None = None  # skip_step's accumulation group under way
         self._config_record: dict[str, Any] = {}
         self._term_names: list[str] = []  # the loss's named terms, learnt in the dry run
-        self._start_sums: tuple[float, float] | None = None  # the resumed epoch's loss sum and NaN count
+        self._start_sums: tuple[float, ...] | None = None  # the resumed epoch's loss sum, NaN count and skipped steps
         # Who hears the run's points: the user's callbacks, and while fit runs xlatrain's own
         # observers (progress, TensorBoard, trace, diagnostics) before them.
         self._observers = Observers([], self._callbacks)
@@ -449,7 +449,7 @@ class Trainer:
         if self.ema is not None:  # a resumed run's averages came back with the optimizer's state
             self.ema.ready = self.ema.restored()
         if self.checkpoint.enabled and cursor.next_position()[0] <= cfg.epochs:
-            self._dir.check_disk_room(st.unwrap(self.model), self.optimizer)
+            self._dir.check_disk_room(st.unwrap(self.model), self.optimizer, EMA_KEY if self.ema is not None else None)
         self._say(
             f"xlatrain: {self.backend.describe()} | global batch {self.global_batch_size * cfg.grad_accum_steps} = "
             f"{cfg.batch_size} per device x {st.world_size} device(s)"
@@ -479,7 +479,9 @@ class Trainer:
             self._say(f"EMA: decay {cfg.ema_decay}, rule {cfg.ema_rule!r} every {cfg.ema_every} step(s)"
                       + (f", copying the weights for {cfg.ema_warmup_epochs} warm-up epoch(s)" if cfg.ema_warmup_epochs else "")
                       + (f"; batch-norm statistics recomputed over {cfg.ema_bn_batches} training batch(es) before "
-                         "each EMA evaluation" if cfg.ema_bn_batches else ""))
+                         "each EMA evaluation" if cfg.ema_bn_batches and batch_norms(self.model) else
+                         f"; note: ema_bn_batches={cfg.ema_bn_batches} does nothing, as the model has no batch-norm "
+                         "layer with running statistics to recompute (leave it out)" if cfg.ema_bn_batches else ""))
         self._say(f"memory per device, before the first step: {self.memory_plan.summary()}")
         self._say(self.throughput.summary())
         if note := feed.length_note():
@@ -548,15 +550,16 @@ class Trainer:
             if ran % cfg.grad_accum_steps:  # an accumulation group cut short: its gradients never reach a step
                 self.optimizer.zero_grad(set_to_none=True)
             self._say(warning)
-        names = [k for k in sums if k != "nonfinite"]
-        *totals, bad = rt.read([*(st.all_reduce_mean(sums[k]) for k in names), st.all_reduce_mean(sums["nonfinite"])])
+        # "skipped": steps skip_step skipped before a resume under another nan_policy (resumable.counted_as)
+        read = dict(zip(sums, rt.read([st.all_reduce_mean(t) for t in sums.values()])))
+        bad, skipped = read.pop("nonfinite"), float(read.pop("skipped", 0.0))
         if ep.last_logged < ran and ran > first_step:
-            self._interval(ep.meter, cursor.epoch, ep.last_logged + 1, ran, cursor.global_step)(
-                totals[names.index("loss")], bad)
+            self._interval(ep.meter, cursor.epoch, ep.last_logged + 1, ran, cursor.global_step)(read["loss"], bad)
         self._check_nonfinite(float(bad) * st.num_processes, cursor.epoch, 1, ran)  # every process's, in all
-        good = ran - float(bad) if cfg.nan_policy == "skip_step" else max(ran, 1)  # skip_step: NaN if none counted
-        row = {"train_" + n.removeprefix("term."): float(t) / good if good > 0 else math.nan for n, t in zip(names, totals)}
-        row.update({"nonfinite_steps": round(float(bad))} if bad and cfg.nan_policy == "skip_step" else {})  # alike everywhere
+        skipped = float(bad) if cfg.nan_policy == "skip_step" else skipped  # alike everywhere
+        good = ran - skipped if skipped or cfg.nan_policy == "skip_step" else max(ran, 1)  # NaN if none counted
+        row = {"train_" + n.removeprefix("term."): float(t) / good if good > 0 else math.nan for n, t in read.items()}
+        row.update({"nonfinite_steps": round(skipped)} if skipped else {})
         if ran <= first_step:  # resumed at the epoch's end: none of its steps ran in this fit, no rate to give
             return row
         rate, warmup_s = clock.rate(ran, self.global_batch_size, first_step)
@@ -758,7 +761,7 @@ class Trainer:
                 self.scheduler.step()
             cursor.global_step += 1
             if self.ema is not None:
-                self.ema.after_step(cursor.global_step, step // accum, cursor.epoch)
+                self.ema.after_step(cursor.global_step, step // accum, cursor.epoch, finite if guard else None)
         values = {"loss": loss, **{f"term.{t}": v.detach().float() for t, v in terms.items()}}
         add_to_sums(sums, values, finite, skip=guard, group=group, last_micro=last_micro)
         rt.step_end()
