@@ -104,6 +104,16 @@ def test_a_skipped_first_step_under_skip_step_moves_the_warm_up_a_step_on_and_st
 
 
 @pytest.mark.xla
+def test_an_ema_scored_and_written_each_epoch_compiles_nothing_after_the_first(tmp_path):
+    """Swapping the EMA weights in and out left copies pending that joined the next graph (an
+    evaluation batch, a weights file's read), which differed from epoch to epoch: 2 graphs
+    compiled again in epoch 2 and a strict run stopped there."""
+    report, _ = _fit(tmp_path, "ema", "ema")
+    assert report["clean"] and report["findings"] == [], report["findings"]
+    assert [e["compilations"] for e in report["epochs"][1:]] == [0, 0]
+
+
+@pytest.mark.xla
 def test_a_python_number_that_becomes_a_constant_is_named_with_its_epoch_step_and_graph(tmp_path):
     report, _ = _fit(tmp_path, "scalar", "scalar")
     found = _finding(report, "recompilation-after-warmup")

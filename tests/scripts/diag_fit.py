@@ -15,6 +15,8 @@ CAUSE is one of
           whose output size depends on the values
   accumulate  clean, with gradients accumulated over two micro-batches per optimizer step
           (its warm-up spans the first four micro-batches)
+  ema     clean, with an EMA of the weights (scored each epoch, written to ema.safetensors) under
+          strict
   nan_first  clean but for a NaN loss at the first training step, under nan_policy='skip_step'
           and strict: the step is skipped and SGD's momentum it made is dropped, made again at
           the next step
@@ -155,7 +157,8 @@ def main() -> None:
         callbacks=[loss] if cause == "nan_first" else None,
         config=xlatrain.TrainConfig(epochs=3, batch_size=BATCH, log_every=LOG_EVERY, run_dir=run_dir,
                                     grad_accum_steps=2 if cause == "accumulate" else 1,
-                                    **({"nan_policy": "skip_step", "strict": True} if cause == "nan_first" else {})),
+                                    **({"nan_policy": "skip_step", "strict": True} if cause == "nan_first" else {}),
+                                    **({"ema_decay": 0.9, "strict": True} if cause == "ema" else {})),
         checkpoint=xlatrain.CheckpointConfig(every_steps=CHECKPOINT_EVERY),
         backend=xlatrain.BackendConfig(accelerator=accelerator, devices=devices),
     )

@@ -37,8 +37,9 @@ class WeightAverage:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, decay: float, every: int, rule: str = "every",
-                 warmup_epochs: int = 0) -> None:
+                 warmup_epochs: int = 0, sync: Callable[[], None] = lambda: None) -> None:
         self.optimizer = optimizer
+        self._sync = sync  # the runtime's step end: on XLA, each swap of the weights runs as a graph of its own
         self.decay = decay
         self.every = every
         self.rule = rule
@@ -122,18 +123,23 @@ class WeightAverage:
 
     @contextlib.contextmanager
     def swapped_in(self) -> Iterator[None]:
-        """The model holds the EMA weights inside (buffers stay the live model's), its own after."""
+        """The model holds the EMA weights inside (buffers stay the live model's), its own after.
+        Each swap ends at the runtime's step end: on XLA, copies left pending joined whatever graph
+        ran next (an evaluation's first batch, a weights file's read), which came out different
+        from one epoch to the next and compiled again in every epoch (2 graphs, seen on XLA:CPU)."""
         pairs = self.pairs()
         with torch.no_grad():
             live = [p.detach().clone() for p, _ in pairs]
             for p, e in pairs:
                 p.detach().copy_(e)
+        self._sync()
         try:
             yield
         finally:
             with torch.no_grad():
                 for (p, _), saved in zip(pairs, live):
                     p.detach().copy_(saved)
+            self._sync()
 
 
 def drop_averages(optimizer: torch.optim.Optimizer) -> bool:

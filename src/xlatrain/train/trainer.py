@@ -239,8 +239,8 @@ class Trainer:
         self.optimizer, self._optimizer_note = fused_optimizer(self.optimizer, self.model) if cfg.precision != "fp16" \
             else (self.optimizer, None)
         # The weights' moving average joins the optimizer's state once it has one.
-        self.ema = WeightAverage(self.optimizer, cfg.ema_decay, cfg.ema_every, cfg.ema_rule, cfg.ema_warmup_epochs) \
-            if cfg.ema_decay is not None else None
+        self.ema = WeightAverage(self.optimizer, cfg.ema_decay, cfg.ema_every, cfg.ema_rule, cfg.ema_warmup_epochs,
+                                 sync=rt.step_end) if cfg.ema_decay is not None else None
         if cfg.scale_lr and st.world_size > 1:
             before = [g["lr"] for g in self.optimizer.param_groups]
             for g in self.optimizer.param_groups:
