@@ -36,20 +36,25 @@ class PadCollate:
         pad_to_multiple_of: pad to the longest sequence of the batch rounded up to this multiple.
         buckets: pad to the smallest of these lengths that holds the longest sequence (a batch
             longer than the largest is an error naming it); give this or ``pad_to_multiple_of``.
-        pad_values: the value each key is padded with (default 0; ``labels`` -100,
-            ``attention_mask`` 0).
+        pad_values: the value each key (a tuple item's position) is padded with (default 0;
+            ``labels`` and a tuple's last field -100, ``attention_mask`` 0).
         max_length: cut longer sequences to this length first.
         attention_mask: the key of a mask (1 for tokens, 0 for padding) to add where the items
             have none; ``None`` adds none.
 
-    Items are mappings (a tokenizer's output with ``input_ids``, ``labels``, ...) or tuples; fields
-    that are sequences are padded to the batch's length on the right, the others stacked as the
-    Trainer's default collate stacks them.
+    Items are mappings (a tokenizer's output with ``input_ids``, ``labels``, ...) or tuples. The
+    fields that are sequences are padded to the batch's length on the right: a 1-D field whose
+    length varies from item to item, or that has each item's length of the batch's sequence
+    (``input_ids``, else the first field whose length varies); a 1-D field of one size in every item
+    that is not (a multi-hot target, a feature vector) is stacked, as the Trainer's default collate
+    stacks the other fields. In tuple items the last field (the targets of the Trainer's
+    ``(inputs, targets)`` pairs) pads as ``labels`` do; ``pad_values`` keyed by position (0, 1, ...)
+    sets a tuple field's value.
     """
 
     def __init__(
         self, *, pad_to_multiple_of: int | None = None, buckets: Sequence[int] | None = None,
-        pad_values: Mapping[str, float] | None = None, max_length: int | None = None,
+        pad_values: Mapping[str | int, float] | None = None, max_length: int | None = None,
         attention_mask: str | None = None,
     ) -> None:
         if pad_to_multiple_of is not None and buckets is not None:
@@ -84,22 +89,36 @@ class PadCollate:
         first = items[0]
         if isinstance(first, Mapping):
             keys = list(first)
-            ragged = [k for k in keys if _is_sequence(first[k])]
-            columns = {k: [_as_1d(item[k], self.max_length) for item in items] for k in ragged}
+            columns = _sequences(items, keys, self.max_length, preferred="input_ids")
             width = self.length(max((len(v) for col in columns.values() for v in col), default=0))
             batch = {k: _pad(columns[k], width, self.pad_values.get(k, 0)) if k in columns
                      else collate([item[k] for item in items]) for k in keys}
-            if self.attention_mask is not None and self.attention_mask not in batch and ragged:
-                lengths = torch.tensor([len(v) for v in columns[ragged[0]]])
+            if self.attention_mask is not None and self.attention_mask not in batch and columns:
+                lengths = torch.tensor([len(v) for v in next(iter(columns.values()))])
                 batch[self.attention_mask] = (torch.arange(width)[None, :] < lengths[:, None]).long()
             return batch
         if isinstance(first, (tuple, list)):
-            ragged_at = [i for i, v in enumerate(first) if _is_sequence(v)]
-            columns = {i: [_as_1d(item[i], self.max_length) for item in items] for i in ragged_at}
+            positions = list(range(len(first)))
+            columns = _sequences(items, positions, self.max_length)
             width = self.length(max((len(v) for col in columns.values() for v in col), default=0))
-            return tuple(_pad(columns[i], width, 0) if i in columns else collate([item[i] for item in items])
-                         for i in range(len(first)))
+            targets = len(first) - 1 if len(first) > 1 else None  # pads as labels do
+            values = {i: self.pad_values.get(i, self.pad_values["labels"] if i == targets else 0) for i in columns}
+            return tuple(_pad(columns[i], width, values[i]) if i in columns else collate([item[i] for item in items])
+                         for i in positions)
         return collate(list(items))
+
+
+def _sequences(items: Sequence[Any], fields: list[Any], max_length: int | None, preferred: Any = None) -> dict[Any, list[torch.Tensor]]:
+    """The fields of ``items`` that are sequences to pad, each as its items' 1-D tensors: those
+    whose length varies from item to item, and those with each item's length of the reference
+    field (``preferred`` where the items have it as a 1-D field, else the first that varies, else
+    the first 1-D field)."""
+    candidates = [f for f in fields if _is_sequence(items[0][f])]
+    columns = {f: [_as_1d(item[f], max_length) for item in items] for f in candidates}
+    lengths = {f: [len(v) for v in col] for f, col in columns.items()}
+    varying = [f for f in candidates if len(set(lengths[f])) > 1]
+    reference = preferred if preferred in lengths else (varying or candidates or [None])[0]
+    return {f: col for f, col in columns.items() if f in varying or lengths[f] == lengths.get(reference)}
 
 
 def _is_sequence(value: Any) -> bool:
