@@ -71,6 +71,25 @@ def test_yaml_python_tags_are_refused_and_nothing_runs(tmp_path):
     assert not marker.exists()
 
 
+def test_yaml_with_a_key_given_twice_is_refused_naming_both_lines():
+    """PyYAML keeps the last of two keys silently: `epochs: 1` then `epochs: 2` ran 2 epochs."""
+    with pytest.raises(ValueError, match=r"run.yaml: 'epochs' is given twice in one mapping \(lines 3 and 4\): keep one"):
+        load_yaml("recipe: digits\ntrainer:\n  epochs: 1\n  epochs: 2\n", source="run.yaml")
+    assert load_yaml("a:\n  epochs: 1\nb:\n  epochs: 2\n") == {"a": {"epochs": 1}, "b": {"epochs": 2}}  # one per mapping
+
+
+def test_a_set_under_a_key_that_holds_a_value_names_that_key_and_the_value():
+    """`--set trainer=3 --set trainer.epochs=1` blamed the second, valid override as if trainer
+    were never a section."""
+    from xlatrain.config import ModelConfig, apply_overrides
+
+    with pytest.raises(ValueError, match=r"--set 'trainer.epochs=1': trainer is 3, not a section of keys .*trainer.KEY=VALUE"):
+        apply_overrides({}, ["trainer=3", "trainer.epochs=1"])
+    assert apply_overrides({"trainer": {"epochs": 2}}, ["trainer.epochs=1"]) == {"trainer": {"epochs": 1}}
+    with pytest.raises(ValueError, match=r"^model.blocks=\['a', 'b'\] is not valid: each stage's residual blocks must be an"):
+        from_dict(ModelConfig, {"blocks": ["a", "b"]}, section="model")
+
+
 def test_yaml_top_level_must_be_a_mapping():
     with pytest.raises(ValueError, match="top level must be a mapping"):
         load_yaml("- 1\n- 2\n")

@@ -311,6 +311,17 @@ def test_keys_a_choice_does_not_use_are_refused():
         _config("digits", "schedule.name=none", "schedule.step_size=null", "schedule.gamma=0.1")
 
 
+@pytest.mark.parametrize("value", ["5", "[4,6,8]", "[a,b]", "[6,4]"])
+def test_pe_slices_per_study_of_another_shape_is_refused_as_the_config_is_read(value):
+    """A number, three values or words reached the generator: a TypeError traceback, or a message
+    naming no key, once generation began."""
+    from xlatrain.config import from_dict
+
+    config = _config("pe_detection", f"data.slices_per_study={value}")
+    with pytest.raises(ValueError, match=r"^data.slices_per_study=.* is not valid: give the fewest and the most"):
+        from_dict(recipe_module("pe_detection").DataConfig, config.data, section="data")
+
+
 def test_a_cosine_stepped_every_optimizer_step_anneals_once_over_the_whole_run(tmp_path):
     """Per step, a period of ``epochs`` steps rose and fell again every few steps (a sawtooth)."""
     from xlatrain.recipes.run import build_trainer

@@ -394,13 +394,25 @@ def from_dict(cls: type[C], values: dict[str, Any], section: str | None = None) 
         raise ValueError(message if message.startswith(where) else f"{where}{message}") from None
 
 
+class _DuplicateKey(ValueError):
+    """A key given twice in one YAML mapping."""
+
+
 def _safe_loader() -> Any:
     """PyYAML's safe loader, reading ``2e-3`` as the float it is: PyYAML follows YAML 1.1, whose
     floats need a dot (``2.0e-3``), so a learning rate written the usual way arrived as a string."""
     import yaml
 
     class Loader(yaml.SafeLoader):
-        pass
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            seen: dict[Any, Any] = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if key in seen:  # PyYAML keeps the last silently
+                    raise _DuplicateKey(f"{key!r} is given twice in one mapping (lines {seen[key].line + 1} and "
+                                        f"{key_node.start_mark.line + 1}): keep one")
+                seen[key] = key_node.start_mark
+            return super().construct_mapping(node, deep=deep)
 
     Loader.add_implicit_resolver(
         "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
@@ -414,6 +426,8 @@ def load_yaml(text: str, source: str = "<config>") -> dict[str, Any]:
 
     try:
         data = yaml.load(text, Loader=_safe_loader())  # noqa: S506 - a SafeLoader
+    except _DuplicateKey as exc:
+        raise ValueError(f"{source}: {exc}") from None
     except yaml.constructor.ConstructorError as exc:
         raise ValueError(
             f"{source}: {exc.problem} ({exc.problem_mark}); Python object tags are not allowed in "
@@ -472,7 +486,9 @@ class ModelConfig:
             if not isinstance(self.blocks, (list, tuple)) or not self.blocks:
                 raise ValueError(f"model.blocks={self.blocks!r} is not valid: give residual blocks per stage, e.g. [2, 2, 2, 2]")
             for n in self.blocks:
-                _positive_int("each of model.blocks", n)
+                if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                    raise ValueError(f"model.blocks={list(self.blocks)!r} is not valid: each stage's residual blocks must be "
+                                     "an integer >= 1, e.g. [2, 2, 2, 2]")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -599,10 +615,12 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             raise ValueError(f"--set {item!r} is not valid: write section.key=value, e.g. trainer.epochs=3")
         *path, leaf = key.split(".")
         node = out
-        for part in path:
+        for depth, part in enumerate(path):
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
-                raise ValueError(f"--set {item!r}: {part} is not a section")
+                where = ".".join(path[: depth + 1])
+                raise ValueError(f"--set {item!r}: {where} is {node!r}, not a section of keys (an earlier --set or the "
+                                 f"config gave it that value): set its keys instead, e.g. {where}.KEY=VALUE")
         node[leaf] = _parse_value(raw)
     return out
 

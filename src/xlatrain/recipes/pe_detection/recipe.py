@@ -64,6 +64,11 @@ class DataConfig:
             check_int(f"data.{key}", getattr(self, key), minimum=2 if key == "num_folds" else 1)
         check_int("data.pack_workers", self.pack_workers)
         check_int("data.seed", self.seed, minimum=0)
+        spread = self.slices_per_study
+        if not (isinstance(spread, (list, tuple)) and len(spread) == 2 and all(
+                isinstance(n, int) and not isinstance(n, bool) for n in spread) and 1 <= spread[0] <= spread[1]):
+            raise ValueError(f"data.slices_per_study={spread!r} is not valid: give the fewest and the most slices of a "
+                             "study, [low, high] with 1 <= low <= high, e.g. [16, 24]")
         check_nonnegative("data.rotate_degrees", self.rotate_degrees)
         if not 0 <= self.hflip <= 1:
             raise ValueError(f"data.hflip={self.hflip!r} is not valid: give a probability between 0 and 1")
