@@ -110,6 +110,27 @@ def test_label_patterns_and_input_errors(rsna, tmp_path):
         pack(rsna.csv_path, rsna.image_dir, tmp_path / "x", path_template="*/{SOPInstanceUID}.jpg", progress=False)
 
 
+def test_a_bad_label_or_short_row_in_the_last_line_fails_before_any_image_is_read(tmp_path, monkeypatch):
+    from conftest import image_folder
+
+    from xlatrain.data import pack as pack_module
+
+    csv_path, images = image_folder(tmp_path, 70)  # more rows than one chunk of image checks
+    decoded = []
+    check_chunk = pack_module._check_chunk
+    monkeypatch.setattr(pack_module, "_check_chunk", lambda paths, *a: decoded.extend(paths) or check_chunk(paths, *a))
+    lines = csv_path.read_text().splitlines()
+    for last, message in [("69.jpg,n/a,0,g17", "line 71 of .*t.csv: label column 'rid' holds 'n/a', not a number. "
+                                               "Choose numeric label columns"),
+                          ("69.jpg", r"line 71 of .*t.csv has fewer fields than its header: no value for column\(s\) "
+                                     r"\['grp'\]. Fix the row")]:
+        csv_path.write_text("\n".join([*lines[:-1], last]) + "\n")
+        with pytest.raises(ValueError, match=message):
+            pack(csv_path, images, tmp_path / "s", path_columns=["path"], labels=["rid"], group="grp", workers=1,
+                 progress=False)
+        assert decoded == [] and not (tmp_path / "s").exists()
+
+
 def test_path_column_and_wildcard_template(tmp_path):
     images = tmp_path / "img"
     (images / "a").mkdir(parents=True)

@@ -258,6 +258,13 @@ def test_targets_options_and_errors(shards):
         ShardDataset(shards).train_batches(loader_batch=64, num_processes=2, process_index=0, seed=0, epoch=1)
 
 
+def test_a_file_given_for_the_pack_directory_is_named_with_the_fix(shards):
+    csv_path = shards.parent / "t.csv"  # the CSV the pack was made from
+    assert csv_path.is_file()
+    with pytest.raises(ValueError, match=f"{csv_path} is a file, not a directory: give the pack's directory"):
+        ShardDataset(csv_path)
+
+
 def test_subsets_follow_group_kfold_without_leakage(shards):
     full = ShardDataset(shards, image_size=8)
     train_ids, val_ids = group_kfold(full.groups, num_folds=4, fold=1)
@@ -329,6 +336,23 @@ def test_the_records_an_epoch_leaves_out_of_full_batches_are_said_for_a_shard_da
     assert "note: each epoch trains 6 full batches of 16, 96 of the 101 samples, so that every step has the same " \
            "shape: the 5 at the end of ShardDataset's order for the epoch (its own to shuffle) wait for another " \
            "epoch" in caplog.text
+
+
+def test_without_shuffling_the_records_after_the_last_full_batch_are_said_never_to_train(shards, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="xlatrain")
+    ds = ShardDataset(shards, channels=1, labels=["rid"], shuffle=False, num_workers=0)
+    # What the note says: every epoch reads the same order and leaves out the same last 5.
+    for epoch in (1, 2, 3):
+        (batches,) = _train(ds, 16, 1, epoch=epoch)
+        seen = {r for _, y in batches for r in _ids(y)}
+        assert seen == set(range(96))
+    trainer = Trainer(_TinyNet(), nn.MSELoss(), functools.partial(torch.optim.SGD, lr=1e-3),
+                      config=TrainConfig(epochs=1, batch_size=16, run_dir=str(tmp_path / "run"), task="none",
+                                         tensorboard=False), backend="cpu")
+    trainer.fit(ds)
+    assert "note: each epoch trains 6 full batches of 16, 96 of the 101 samples, so that every step has the same " \
+           "shape: the 5 at the end of the order are never trained on" in caplog.text
+    assert "wait for another epoch" not in caplog.text
 
 
 def test_the_trainers_num_workers_decides_a_shard_readers_workers_unless_the_reader_says_another(shards, tmp_path, caplog):

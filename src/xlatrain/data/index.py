@@ -32,6 +32,8 @@ class RecordIndex:
     label_names: tuple[str, ...]
     group_codes: np.ndarray
     group_names: list[str]
-    dropped: list[tuple[str, int, str]]  # (shard, records, reason) left out under on_error="skip"
+    # (shard, records, reason) left out under on_error="skip"; a WebDataset tar counts the records found
+    # before it breaks, and None where none were (one row with length -1 stands for it).
+    dropped: list[tuple[str, int | None, str]]
     crc_known: bool = True  # WebDataset tars store no checksums
     paths: list[str] | None = None  # each record's source, where the shards' own indexes do not hold it

@@ -334,7 +334,7 @@ def _checked(rows: Iterator[_Row], opts: PackOptions) -> Iterator[tuple[_Row, tu
 
 
 def _read_rows(
-    reader: csv.DictReader, csv_path: Path, image_dir: Path, template: str, label_names: Sequence[str], group: str | None
+    reader: csv.DictReader, image_dir: Path, template: str, label_names: Sequence[str], group: str | None
 ) -> Iterator[_Row]:
     wildcard = any(c in _literal(template) for c in _GLOB_CHARS)
     folders = _Folders(image_dir)
@@ -347,15 +347,30 @@ def _read_rows(
             pattern = template.format(**{k: glob.escape(v) for k, v in values.items()}).rpartition("/")[2]
             found, why = folders.match(rel.rpartition("/")[0], pattern)
             rel = found or rel
-        try:
-            labels = tuple(float(values[name]) for name in label_names)
-        except ValueError:
-            bad = next(n for n in label_names if not _is_number(values[n]))
-            raise ValueError(
-                f"line {line} of {csv_path}: label column {bad!r} holds {values[bad]!r}, not a number. "
-                "Choose numeric label columns (labels=...), or fix the row"
-            ) from None
+        labels = tuple(float(values[name]) for name in label_names)  # checked by _check_rows
         yield _Row(line, rel, None if found is None else str(image_dir / rel), why, labels, values[group] if group else "")
+
+
+def _check_rows(csv_path: Path, label_names: Sequence[str], needed: Sequence[str]) -> int:
+    """The CSV's row count, once every row has a number in each label column and a value in each
+    column of the image path and group: one pass before any image is read, so a bad last row
+    fails the pack at once rather than after every image before it was decoded."""
+    with open(csv_path, newline="", encoding="utf-8-sig") as csv_file:
+        reader = csv.DictReader(csv_file)
+        num_rows = 0
+        for row in reader:
+            num_rows += 1
+            short = [name for name in needed if row.get(name) is None]
+            if short:
+                raise ValueError(f"line {reader.line_num} of {csv_path} has fewer fields than its header: no value for "
+                                 f"column(s) {short}. Fix the row")
+            bad = next((name for name in label_names if not _is_number(row[name] or "")), None)
+            if bad is not None:
+                raise ValueError(
+                    f"line {reader.line_num} of {csv_path}: label column {bad!r} holds {row[bad] or ''!r}, not a "
+                    "number. Choose numeric label columns (labels=...), or fix the row"
+                )
+    return num_rows
 
 
 def _is_number(text: str) -> bool:
@@ -364,11 +379,6 @@ def _is_number(text: str) -> bool:
     except ValueError:
         return False
     return True
-
-
-def _count_lines(path: Path) -> int:
-    with open(path, "rb") as f:
-        return sum(block.count(b"\n") for block in iter(lambda: f.read(8 << 20), b""))
 
 
 class _LocalOut:
@@ -558,10 +568,11 @@ def pack(
         if unknown:
             raise ValueError(f"column(s) {unknown} are not in {csv_path}: its columns are {columns}")
         label_names = _resolve_labels(opts.labels, columns, set(needed))
-        rows = _read_rows(reader, csv_path, image_dir, template, label_names, opts.group)
+        num_csv_rows = _check_rows(csv_path, label_names, needed)
+        rows = _read_rows(reader, image_dir, template, label_names, opts.group)
 
         out.prepare()
-        progress = _Progress(opts.progress, max(_count_lines(csv_path) - 1, 0), "pack")
+        progress = _Progress(opts.progress, num_csv_rows, "pack")
         writer = _ShardWriter(out, label_names, opts.shard_bytes)
         skipped: list[SkippedRow] = []
         num_rows = 0

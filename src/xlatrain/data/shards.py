@@ -269,6 +269,9 @@ def read_manifest(root: str | os.PathLike[str]) -> dict[str, Any]:
             manifest = json.loads(path.read_text())
     except FileNotFoundError:
         raise ValueError(f"{path} does not exist: pack a dataset into {root} with `xlatrain pack` first") from None
+    except NotADirectoryError:
+        raise ValueError(f"{root} is a file, not a directory: give the pack's directory (the --out of `xlatrain pack`, "
+                         f"holding {MANIFEST_NAME}), or a directory of WebDataset .tar files") from None
     except json.JSONDecodeError as exc:
         raise ShardError(f"{path} is corrupt ({exc}): re-run `xlatrain pack` to rewrite it") from None
     if manifest.get("format") != FORMAT_NAME or manifest.get("version") != FORMAT_VERSION:
@@ -397,7 +400,8 @@ class ShardOptions:
         on_error: ``"raise"`` (a ``ShardError`` naming the shard and record) or ``"skip"`` (a bad
             record is replaced in training by another record of its batch and masked out of
             evaluation; a shard whose index is unreadable is left out; all are counted in
-            :attr:`ShardDataset.num_skipped`).
+            :attr:`ShardDataset.num_skipped`: of a WebDataset tar that cannot be read to its end,
+            the records found before it breaks, or one where it breaks before its first sample).
         verify_checksums: hash every shard at open and compare with the manifest (reads all the
             data once). Records are always checked against their CRC32: by each process the
             first time it reads them, and again after their shard file changes (its size or
@@ -1535,14 +1539,16 @@ class ShardDataset:
 
     @property
     def num_skipped(self) -> int:
-        """Records left out so far under ``on_error="skip"``: unreadable shards and bad records."""
+        """Records left out so far under ``on_error="skip"``: unreadable shards and bad records (a
+        WebDataset tar that breaks before its first sample, its records unknown, counts as one)."""
         return len(self._dropped_ids) + len(self._skipped)
 
     @property
     def skipped(self) -> list[dict[str, Any]]:
         """What :attr:`num_skipped` counts: ``{"record", "what", "reason"}`` per record or shard."""
         dropped = self._index.dropped if len(self._dropped_ids) else []
-        out = [{"record": None, "what": f"shard {name} ({n} records)", "reason": reason} for name, n, reason in dropped]
+        out = [{"record": None, "what": f"shard {name} ({'records unknown' if n is None else f'{n} records'})",
+                "reason": reason} for name, n, reason in dropped]
         out += [{"record": gid, "what": self._reader.describe(gid), "reason": r} for gid, r in self._skipped.items()]
         return out
 

@@ -63,11 +63,11 @@ def _open(root: Path | str, name: str) -> Any:
     return open(root / name, "rb")
 
 
-def _scan(root: Path | str, name: str, size: int) -> list[_Sample]:
-    """The samples of one tar, in stored order."""
+def _scan(root: Path | str, name: str, size: int, samples: list[_Sample]) -> None:
+    """Append the samples of one tar to ``samples``, in stored order: where the tar breaks, those
+    found before the break are there when the error is raised."""
     import simplejpeg
 
-    samples: list[_Sample] = []
     by_key: dict[str, _Sample] = {}
     with _open(root, name) as f:
         try:
@@ -112,22 +112,33 @@ def _scan(root: Path | str, name: str, size: int) -> list[_Sample]:
     # A tar ends with two zero blocks; one cut at a member boundary reads as complete without them.
     if size < tar.offset + 2 * tarfile.BLOCKSIZE:
         raise ShardError(f"shard {name} is cut short ({size} bytes end without the tar's end-of-archive blocks)")
-    return samples
 
 
 def open_tar_index(root: Path | str, tars: list[tuple[str, int]], options: Any) -> Any:
     """The ``RecordIndex`` of a directory of WebDataset tars (see the module docstring)."""
 
-    per_tar = []
+    per_tar: list[list[_Sample]] = []
+    dropped: dict[str, tuple[int | None, str]] = {}  # tar -> (samples found before it breaks, or None: unknown)
     for name, size in tars:
+        found: list[_Sample] = []
         try:
-            per_tar.append(_scan(root, name, size))
+            _scan(root, name, size, found)
         except (ShardError, storage.StorageError) as exc:
             if options.on_error == "raise":
                 raise
-            log.warning(f"on_error='skip': leaving out {name}: {exc}")
-            per_tar.append(None)
-    samples = [s for found in per_tar if found for s in found]
+            if found:
+                dropped[name] = (len(found), f"{exc}; the {len(found)} counted are those found before it breaks")
+                log.warning(f"on_error='skip': leaving out the {len(found)} record(s) found in {name} before it "
+                            f"breaks (any after the break are not known): {exc}")
+            else:
+                # Nothing tells how many records it held: one row stands for the tar, so that it is
+                # counted (as one) and listed, never left out unseen.
+                found = [_Sample("")]
+                dropped[name] = (None, str(exc))
+                log.warning(f"on_error='skip': leaving out {name}, an unknown number of records (it breaks before "
+                            f"its first sample; counted as one): {exc}")
+        per_tar.append(found)
+    samples = [s for (name, _), found in zip(tars, per_tar) if name not in dropped for s in found]
     images = [s for s in samples if s.length >= 0]
     if not images:
         raise ValueError(f"{root} holds tars with no .jpg member: WebDataset samples need an image member (.jpg)")
@@ -136,7 +147,7 @@ def open_tar_index(root: Path | str, tars: list[tuple[str, int]], options: Any) 
     if missing:
         raise ValueError(f"{root}: samples have different labels (e.g. {missing[0]} lacks some of {names}): give "
                          "every sample the same .cls / .json fields")
-    total = sum(len(found) if found else 0 for found in per_tar)
+    total = sum(len(found) for found in per_tar)
     ix = RecordIndex(
         root=root, shard_names=[n for n, _ in tars], shard_bytes=[size for _, size in tars],
         shard=np.zeros(total, dtype=np.int64), local=np.zeros(total, dtype=np.int64),
@@ -149,17 +160,18 @@ def open_tar_index(root: Path | str, tars: list[tuple[str, int]], options: Any) 
     codes: dict[str, int] = {}
     row = 0
     for s_index, ((name, _), found) in enumerate(zip(tars, per_tar)):
-        if not found:
-            ix.dropped.append((name, 0, "not a readable tar"))
-            continue
+        if name in dropped:
+            ix.dropped.append((name, *dropped[name]))
         for local, sample in enumerate(found):
             ix.shard[row], ix.local[row] = s_index, local
-            if sample.length >= 0:
-                ix.start[row], ix.length[row] = sample.start, sample.length
-                ix.height[row], ix.width[row], ix.channels[row] = sample.height, sample.width, sample.channels
-                ix.labels[row] = [sample.labels[n] for n in names]
-            ix.group_codes[row] = codes.setdefault(sample.group or sample.key, len(codes))
             ix.paths.append(f"{name}/{sample.key}")
+            # A dropped tar's rows keep length -1: left out, and counted in num_skipped.
+            if name not in dropped:
+                if sample.length >= 0:
+                    ix.start[row], ix.length[row] = sample.start, sample.length
+                    ix.height[row], ix.width[row], ix.channels[row] = sample.height, sample.width, sample.channels
+                    ix.labels[row] = [sample.labels[n] for n in names]
+                ix.group_codes[row] = codes.setdefault(sample.group or sample.key, len(codes))
             row += 1
     ix.group_names = list(codes)
     return ix

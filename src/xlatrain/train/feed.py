@@ -199,6 +199,12 @@ def _only(batches: list[Any]) -> Any:
     return batches[0]
 
 
+def _source_unshuffled(source: Any) -> bool:
+    """A batch source that says it does not shuffle (``ShardDataset(shuffle=False)``): each epoch
+    reads it in the same order, so the records after its last full batch are never trained on."""
+    return getattr(getattr(source, "options", None), "shuffle", True) is False
+
+
 class TrainFeed:
     """One epoch of this process's training batches at a time, on the device."""
 
@@ -251,12 +257,15 @@ class TrainFeed:
             left = num_samples - used
             if left <= 0:
                 return None
+            if sampler is not None and sampler.shuffle:
+                fate = "its shuffled order, different ones each epoch, wait for another epoch"
+            elif sampler is None and not _source_unshuffled(self.dataset):
+                fate = (f"{type(self.dataset).__name__}'s order for the epoch (its own to shuffle) wait for "
+                        "another epoch")
+            else:  # the same order every epoch
+                fate = "the order are never trained on"
             return (f"note: each epoch trains {self.steps_per_epoch} full batches of {global_batch}, {used} of the "
-                    f"{num_samples} samples, {why}: the {left} at the end of "
-                    + ("its shuffled order, different ones each epoch, wait for another epoch"
-                       if sampler is not None and sampler.shuffle else
-                       f"{type(self.dataset).__name__}'s order for the epoch (its own to shuffle) wait for another epoch"
-                       if sampler is None else "the order are never trained on"))
+                    f"{num_samples} samples, {why}: the {left} at the end of {fate}")
         if not isinstance(sampler, UserSampler):
             return None
         says, gives = sampler.announced(), sampler.given()

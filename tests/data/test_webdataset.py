@@ -1,0 +1,65 @@
+import io
+import json
+import logging
+import tarfile
+
+import numpy as np
+import pytest
+import simplejpeg
+
+from xlatrain.data.shards import ShardDataset, ShardError
+
+PER_TAR = 7
+
+
+def _write_tars(root, num_tars=3):
+    root.mkdir()
+    for t in range(num_tars):
+        with tarfile.open(root / f"shard-{t:02d}.tar", "w") as tar:
+            for k in range(t * PER_TAR, (t + 1) * PER_TAR):
+                image = simplejpeg.encode_jpeg(np.full((16, 16, 1), k * 7 % 256, np.uint8), colorspace="GRAY",
+                                               colorsubsampling="Gray")
+                for name, data in [(f"{k:06d}.jpg", image), (f"{k:06d}.cls", str(k % 4).encode()),
+                                   (f"{k:06d}.json", json.dumps({"rid": k}).encode())]:
+                    info = tarfile.TarInfo(name)
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+    return root
+
+
+def _rids(ds):
+    return sorted(int(r) for (_, y), v in ds.eval_batches(loader_batch=4, num_processes=1, process_index=0)
+                  for r, ok in zip(y[:, 0].tolist(), v.tolist()) if ok)
+
+
+def test_a_tar_cut_short_is_counted_listed_and_said_under_skip(tmp_path, caplog):
+    root = _write_tars(tmp_path / "wds")
+    cut = root / "shard-01.tar"
+    with tarfile.open(cut) as tar:
+        fourth_image = tar.getmember(f"{PER_TAR + 3:06d}.jpg")
+    cut.write_bytes(cut.read_bytes()[: fourth_image.offset_data + 10])  # inside the 4th sample's image
+    with pytest.raises(ShardError, match="shard shard-01.tar is not a readable tar"):
+        ShardDataset(root)
+    with caplog.at_level(logging.WARNING, logger="xlatrain"):
+        ds = ShardDataset(root, channels=1, labels=["rid"], on_error="skip", num_workers=0)
+    assert _rids(ds) == [*range(PER_TAR), *range(2 * PER_TAR, 3 * PER_TAR)]
+    assert ds.num_skipped == 4  # the samples found before the break, the broken one included
+    assert ds.skipped == [{"record": None, "what": "shard shard-01.tar (4 records)",
+                           "reason": "shard shard-01.tar is not a readable tar (unexpected end of data); the 4 counted "
+                                     "are those found before it breaks"}]
+    assert "leaving out the 4 record(s) found in shard-01.tar before it breaks" in caplog.text
+
+
+def test_a_tar_that_breaks_before_its_first_sample_is_counted_as_one_of_unknown_records(tmp_path, caplog):
+    root = _write_tars(tmp_path / "wds")
+    cut = root / "shard-02.tar"
+    cut.write_bytes(cut.read_bytes()[:100])  # not even the first member's header
+    with caplog.at_level(logging.WARNING, logger="xlatrain"):
+        ds = ShardDataset(root, channels=1, labels=["rid"], on_error="skip", num_workers=0)
+    assert _rids(ds) == list(range(2 * PER_TAR))
+    assert ds.num_skipped == 1
+    [entry] = ds.skipped
+    assert entry["what"] == "shard shard-02.tar (records unknown)"
+    assert "shard-02.tar is not a readable tar" in entry["reason"]
+    assert "leaving out shard-02.tar, an unknown number of records (it breaks before its first sample; counted as " \
+           "one)" in caplog.text
