@@ -90,6 +90,14 @@ def test_a_set_under_a_key_that_holds_a_value_names_that_key_and_the_value():
         from_dict(ModelConfig, {"blocks": ["a", "b"]}, section="model")
 
 
+def test_a_monitor_close_to_a_column_the_trainer_writes_is_named_beside_the_missing_direction():
+    """monitor='val_acc' asked only for monitor_mode; the column meant was val_accuracy."""
+    with pytest.raises(ValueError, match=r"needs monitor_mode: .*\(did you mean 'val_accuracy', a column the Trainer writes\?\)"):
+        TrainConfig(monitor="val_acc")
+    with pytest.raises(ValueError, match=r"have a known direction$"):
+        TrainConfig(monitor="val_mae")  # a metric of the user's own: nothing to suggest
+
+
 def test_yaml_top_level_must_be_a_mapping():
     with pytest.raises(ValueError, match="top level must be a mapping"):
         load_yaml("- 1\n- 2\n")

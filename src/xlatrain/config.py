@@ -305,10 +305,15 @@ class TrainConfig:
         if self.monitor_mode is not None:
             _choice("monitor_mode", self.monitor_mode, MONITOR_MODES)
         elif self.monitor is not None and monitor_mode_for(self.monitor) is None:
+            import difflib
+
+            known = [f"{side}_{kind}" for side in ("val", "val_ema", "train") for kind in ("loss", "accuracy", "mean_auc")]
+            near = difflib.get_close_matches(self.monitor, known, n=1, cutoff=0.7)
             raise ValueError(
                 f"monitor={self.monitor!r} needs monitor_mode: say whether a higher value is better "
                 f"(monitor_mode='max') or a lower one (monitor_mode='min'); only names ending in "
                 f"{', '.join('_' + w for w in MONITOR_DIRECTIONS)} have a known direction"
+                + (f" (did you mean {near[0]!r}, a column the Trainer writes?)" if near else "")
             )
         _choice("scheduler_interval", self.scheduler_interval, SCHEDULER_INTERVALS)
         if self.early_stop_patience is not None:
