@@ -138,6 +138,9 @@ class Strategy(Protocol):
     world_size: int  # data-parallel replicas in the whole job
     num_processes: int  # processes in the whole job, each with its own loader
     process_index: int  # this process, 0 .. num_processes-1
+    # Processes whose running counts (of non-finite steps) are their own, to be added up: each
+    # process's, but 1 under SPMD, where every process computes the global batch's loss.
+    counting_processes: int
     devices_per_process: int  # replicas fed by one process (its loader batch = per-device * this)
     # True: each process holds part of the training state and writes its own part of a checkpoint
     # (torch.distributed.checkpoint); False: every process holds all of it and the main one

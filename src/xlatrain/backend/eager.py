@@ -35,7 +35,7 @@ class EagerStrategy:
         self._procs = processes
         self._units_policy = units
         self.activation_checkpointing = activation_checkpointing
-        self.world_size = self.num_processes = processes.world_size
+        self.world_size = self.num_processes = self.counting_processes = processes.world_size
         self.process_index = processes.rank
         self.units: list[str] = []  # class names of the units found by prepare_model (before fully_shard renames them)
         self.unit_modules: list[torch.nn.Module] = []

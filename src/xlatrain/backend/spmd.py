@@ -37,7 +37,7 @@ class Spmd(XlaStrategy):
         self.name = "spmd-fsdp" if axis == "fsdp" else "spmd-data"
         self.sharded_state = axis == "fsdp"
         self.world_size = runtime.num_devices
-        self.num_processes = xr.process_count()
+        self.num_processes = xr.process_count()  # each host's counts are the global ones (counting_processes 1)
         self.process_index = xr.process_index()
         self.devices_per_process = xr.addressable_runtime_device_count()
         self.mesh = xs.Mesh(np.arange(self.world_size), (self.world_size,), (axis,))

@@ -20,7 +20,7 @@ class XlaProcesses(XlaStrategy):
         import torch_xla.runtime as xr
 
         super().__init__(runtime, units=units, activation_checkpointing=activation_checkpointing)
-        self.world_size = self.num_processes = xr.world_size()
+        self.world_size = self.num_processes = self.counting_processes = xr.world_size()
         self.process_index = xr.global_ordinal()
 
     def describe(self) -> str:

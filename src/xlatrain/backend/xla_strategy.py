@@ -25,7 +25,7 @@ class XlaStrategy:
     sharded_state = False
     input_sharding = None
     mesh = None
-    world_size = num_processes = devices_per_process = 1
+    world_size = num_processes = devices_per_process = counting_processes = 1
     process_index = 0
 
     def __init__(self, runtime: Any, *, units: UnitPolicy = None, activation_checkpointing: bool = False) -> None:

@@ -109,7 +109,7 @@ def resume(trainer: Trainer, resume: bool | str) -> tuple[Cursor, dict[str, torc
         rt.set_rng_state(rng[st.process_index])
     else:
         mine = resharded_sums(per_process_sums, st.process_index, st.num_processes,
-                              alike=trainer.config.nan_policy == "skip_step")
+                              alike=trainer.config.nan_policy == "skip_step" or st.counting_processes == 1)
         # Random streams belong to processes; another process count cannot take them over.
         rt.seed_everything((trainer.config.seed * 1_000_003 + cursor.global_step) * 1_000_003 + st.process_index)
         trainer._say(
@@ -289,7 +289,8 @@ def _write(trainer: Trainer, cursor: Cursor, sums: dict[str, torch.Tensor]) -> P
             f"had not renewed it for {stale_after_s():,.0f} s (stalled, or cut off from the store). This run "
             "stops without writing there; the other run's checkpoints are its own")
     # A non-finite loss since the last check must not become the latest checkpoint.
-    trainer._check_nonfinite(sum(p["sums"]["nonfinite"] for p in per_process), cursor.epoch, 1, cursor.step)
+    trainer._check_nonfinite(sum(p["sums"]["nonfinite"] for p in per_process) / len(per_process) * st.counting_processes,
+                             cursor.epoch, 1, cursor.step)
     meta = pack_meta(
         scheduler=trainer.scheduler, cursor=cursor, sums_per_process=[p["sums"] for p in per_process],
         rng_states=[p["rng"] for p in per_process], config=trainer._config_record,

@@ -529,7 +529,7 @@ class Trainer:
         clock = WarmupClock(start_step, min(warm, max(feed.steps_per_epoch - start_step - 1, 0)), time.perf_counter())
         skip = self.config.nan_policy == "skip_step"  # its steps are skipped on every process alike: counted once
         meter = IntervalMeter(start_step, samples_per_step=self.global_batch_size, start_sums=self._start_sums,
-                              warm_until=clock.mark_step, skipped_out=skip, processes=1 if skip else self.strategy.num_processes)
+                              warm_until=clock.mark_step, skipped_out=skip, processes=1 if skip else self.strategy.counting_processes)
         self._start_sums = None  # later epochs start from zero
         return SimpleNamespace(
             batches=obs.batches(feed.batches(epoch, start_step), "train", epoch, start_step + 1), meter=meter,
@@ -555,7 +555,7 @@ class Trainer:
         bad, skipped = read.pop("nonfinite"), float(read.pop("skipped", 0.0))
         if ep.last_logged < ran and ran > first_step:
             self._interval(ep.meter, cursor.epoch, ep.last_logged + 1, ran, cursor.global_step)(read["loss"], bad)
-        self._check_nonfinite(float(bad) * st.num_processes, cursor.epoch, 1, ran)  # every process's, in all
+        self._check_nonfinite(float(bad) * st.counting_processes, cursor.epoch, 1, ran)  # every process's, in all
         skipped = float(bad) if cfg.nan_policy == "skip_step" else skipped  # alike everywhere
         good = ran - skipped if skipped or cfg.nan_policy == "skip_step" else max(ran, 1)  # NaN if none counted
         row = {"train_" + n.removeprefix("term."): float(t) / good if good > 0 else math.nan for n, t in read.items()}
@@ -810,7 +810,7 @@ class Trainer:
             bad = float(nonfinite)  # a mean over processes
             if bad > 0 and self.config.nan_policy == "stop":
                 # Raised by the training loop right after this read, not inside the runtime's callback.
-                self._nonfinite = (epoch, first, step, round(bad * self.strategy.num_processes))
+                self._nonfinite = (epoch, first, step, round(bad * self.strategy.counting_processes))
             stats = meter.measure(step, loss_sum=float(mean_loss_sum), nonfinite=bad)
             rate = stats.samples_per_s
             figures = self.throughput.figures(rate) if self.throughput is not None and rate is not None else {}
