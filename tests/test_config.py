@@ -76,6 +76,8 @@ def test_yaml_with_a_key_given_twice_is_refused_naming_both_lines():
     with pytest.raises(ValueError, match=r"run.yaml: 'epochs' is given twice in one mapping \(lines 3 and 4\): keep one"):
         load_yaml("recipe: digits\ntrainer:\n  epochs: 1\n  epochs: 2\n", source="run.yaml")
     assert load_yaml("a:\n  epochs: 1\nb:\n  epochs: 2\n") == {"a": {"epochs": 1}, "b": {"epochs": 2}}  # one per mapping
+    # A merge key's keys may be given again: that is what overriding an anchor's values means.
+    assert load_yaml("base: &b\n  lr: 1\n  wd: 0\nx:\n  <<: *b\n  lr: 3\n")["x"] == {"lr": 3, "wd": 0}
 
 
 def test_a_set_under_a_key_that_holds_a_value_names_that_key_and_the_value():
@@ -96,6 +98,8 @@ def test_a_monitor_close_to_a_column_the_trainer_writes_is_named_beside_the_miss
         TrainConfig(monitor="val_acc")
     with pytest.raises(ValueError, match=r"have a known direction$"):
         TrainConfig(monitor="val_mae")  # a metric of the user's own: nothing to suggest
+    with pytest.raises(ValueError, match=r"have a known direction$"):
+        TrainConfig(monitor="train_acc")  # an epoch's training columns are its loss and terms: none is meant
 
 
 def test_yaml_top_level_must_be_a_mapping():

@@ -307,7 +307,7 @@ class TrainConfig:
         elif self.monitor is not None and monitor_mode_for(self.monitor) is None:
             import difflib
 
-            known = [f"{side}_{kind}" for side in ("val", "val_ema", "train") for kind in ("loss", "accuracy", "mean_auc")]
+            known = ["train_loss", *(f"{side}_{kind}" for side in ("val", "val_ema") for kind in ("loss", "accuracy", "mean_auc"))]
             near = difflib.get_close_matches(self.monitor, known, n=1, cutoff=0.7)
             raise ValueError(
                 f"monitor={self.monitor!r} needs monitor_mode: say whether a higher value is better "
@@ -412,8 +412,14 @@ def _safe_loader() -> Any:
         def construct_mapping(self, node: Any, deep: bool = False) -> Any:
             seen: dict[Any, Any] = {}
             for key_node, _ in node.value:
-                key = self.construct_object(key_node, deep=deep)
-                if key in seen:  # PyYAML keeps the last silently
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: its keys may be given again
+                    continue
+                try:
+                    key = self.construct_object(key_node, deep=deep)
+                    again = key in seen
+                except TypeError:  # an unhashable key: PyYAML's own error names it
+                    continue
+                if again:  # PyYAML keeps the last silently
                     raise _DuplicateKey(f"{key!r} is given twice in one mapping (lines {seen[key].line + 1} and "
                                         f"{key_node.start_mark.line + 1}): keep one")
                 seen[key] = key_node.start_mark
