@@ -130,6 +130,17 @@ def test_the_validation_loss_is_the_loss_over_the_set_as_the_loss_takes_its_mean
     assert ("do not average to its own value" in caplog.text) == (case == "function-weighted")
 
 
+def test_rows_of_different_widths_are_joined_padded_with_what_each_dtype_can_hold():
+    from xlatrain.train.metrics import padded_cat
+
+    floats = padded_cat([torch.ones(2, 3), torch.zeros(1, 5)])
+    assert floats.shape == (3, 5) and floats[:2, 3:].eq(-100).all() and floats[2].eq(0).all()
+    assert padded_cat([torch.ones(1, 2, dtype=torch.bool), torch.ones(1, 4, dtype=torch.bool)]).tolist() == \
+        [[True, True, False, False], [True, True, True, True]]
+    small = padded_cat([torch.ones(1, 2, dtype=torch.uint8), torch.ones(1, 3, dtype=torch.uint8)])
+    assert small.dtype == torch.int64 and small.tolist() == [[1, 1, -100], [1, 1, 1]]  # -100 wrapped to 156 in a uint8
+
+
 def test_predict_returns_every_row_in_dataset_order(tmp_path):
     data = _classification(29, seed=5)
     trainer = _trainer(tmp_path, batch_size=8)

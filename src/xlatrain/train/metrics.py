@@ -117,7 +117,8 @@ PAD_VALUE = -100
 def padded_cat(parts: list[torch.Tensor]) -> torch.Tensor:
     """``torch.cat`` along rows of tensors whose other sizes may differ from batch to batch
     (tokens padded to each batch's longest): each is padded at the end of every such dimension to
-    the largest, with :data:`PAD_VALUE` (False for booleans)."""
+    the largest, with :data:`PAD_VALUE` (False for booleans; unsigned integers, which cannot hold
+    it, become int64)."""
     sizes = {tuple(p.shape[1:]) for p in parts}
     if len(sizes) == 1:
         return torch.cat(parts)
@@ -127,6 +128,8 @@ def padded_cat(parts: list[torch.Tensor]) -> torch.Tensor:
     widest = [max(size[d] for size in sizes) for d in range(len(next(iter(sizes))))]
     padded = []
     for part in parts:
+        if part.dtype in (torch.uint8, torch.uint16, torch.uint32, torch.uint64):
+            part = part.long()  # -100 would wrap (156 in a uint8)
         out = part.new_full((part.shape[0], *widest), False if part.dtype == torch.bool else PAD_VALUE)
         out[(slice(None), *(slice(0, n) for n in part.shape[1:]))] = part
         padded.append(out)
