@@ -27,3 +27,12 @@ def test_a_field_of_one_size_beside_the_sequence_is_stacked_not_padded():
     assert same["input_ids"].shape == same["labels"].shape == (2, 8) and same["labels"][0, 2] == -100
     ids, features = PadCollate(pad_to_multiple_of=8)([([1, 2, 3], torch.tensor([0.5, 0.5])), ([4], torch.tensor([0.1, 0.9]))])
     assert ids.shape == (2, 8) and features.shape == (2, 2)
+
+
+def test_a_field_named_with_none_is_stacked_where_its_size_matches_the_sequence_by_chance():
+    """One item of 10 tokens beside a 10-wide target: nothing tells the target from a sequence
+    but the user's word."""
+    item = {"input_ids": list(range(1, 11)), "target": torch.zeros(10)}
+    assert PadCollate(pad_to_multiple_of=8)([item])["target"].shape == (1, 16)  # taken for a sequence
+    batch = PadCollate(pad_to_multiple_of=8, pad_values={"target": None})([item])
+    assert batch["input_ids"].shape == (1, 16) and batch["target"].shape == (1, 10)

@@ -16,7 +16,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -37,7 +37,8 @@ class PadCollate:
         buckets: pad to the smallest of these lengths that holds the longest sequence (a batch
             longer than the largest is an error naming it); give this or ``pad_to_multiple_of``.
         pad_values: the value each key (a tuple item's position) is padded with (default 0;
-            ``labels`` and a tuple's last field -100, ``attention_mask`` 0).
+            ``labels`` and a tuple's last field -100, ``attention_mask`` 0); ``None``: the field is
+            never padded, but stacked.
         max_length: cut longer sequences to this length first.
         attention_mask: the key of a mask (1 for tokens, 0 for padding) to add where the items
             have none; ``None`` adds none.
@@ -47,7 +48,9 @@ class PadCollate:
     length varies from item to item, or that has each item's length of the batch's sequence
     (``input_ids``, else the first field whose length varies); a 1-D field of one size in every item
     that is not (a multi-hot target, a feature vector) is stacked, as the Trainer's default collate
-    stacks the other fields. In tuple items the last field (the targets of the Trainer's
+    stacks the other fields. A field of one size that every item's sequence happens to match
+    (a 10-wide target beside 10 tokens, likeliest in a batch of one) cannot be told apart: name it
+    in ``pad_values`` with ``None``. In tuple items the last field (the targets of the Trainer's
     ``(inputs, targets)`` pairs) pads as ``labels`` do; ``pad_values`` keyed by position (0, 1, ...)
     sets a tuple field's value.
     """
@@ -68,6 +71,7 @@ class PadCollate:
         self.pad_to_multiple_of = pad_to_multiple_of
         self.buckets = tuple(buckets) if buckets is not None else None
         self.pad_values = {**DEFAULT_PAD_VALUES, **(pad_values or {})}
+        self._stacked = {k for k, v in self.pad_values.items() if v is None}
         self.max_length = max_length
         self.attention_mask = attention_mask
 
@@ -89,7 +93,7 @@ class PadCollate:
         first = items[0]
         if isinstance(first, Mapping):
             keys = list(first)
-            columns = _sequences(items, keys, self.max_length, preferred="input_ids")
+            columns = _sequences(items, keys, self.max_length, preferred="input_ids", stacked=self._stacked)
             width = self.length(max((len(v) for col in columns.values() for v in col), default=0))
             batch = {k: _pad(columns[k], width, self.pad_values.get(k, 0)) if k in columns
                      else collate([item[k] for item in items]) for k in keys}
@@ -99,7 +103,7 @@ class PadCollate:
             return batch
         if isinstance(first, (tuple, list)):
             positions = list(range(len(first)))
-            columns = _sequences(items, positions, self.max_length)
+            columns = _sequences(items, positions, self.max_length, stacked=self._stacked)
             width = self.length(max((len(v) for col in columns.values() for v in col), default=0))
             targets = len(first) - 1 if len(first) > 1 else None  # pads as labels do
             values = {i: self.pad_values.get(i, self.pad_values["labels"] if i == targets else 0) for i in columns}
@@ -108,12 +112,13 @@ class PadCollate:
         return collate(list(items))
 
 
-def _sequences(items: Sequence[Any], fields: list[Any], max_length: int | None, preferred: Any = None) -> dict[Any, list[torch.Tensor]]:
+def _sequences(items: Sequence[Any], fields: list[Any], max_length: int | None, preferred: Any = None,
+               stacked: Collection[Any] = ()) -> dict[Any, list[torch.Tensor]]:
     """The fields of ``items`` that are sequences to pad, each as its items' 1-D tensors: those
     whose length varies from item to item, and those with each item's length of the reference
     field (``preferred`` where the items have it as a 1-D field, else the first that varies, else
-    the first 1-D field)."""
-    candidates = [f for f in fields if _is_sequence(items[0][f])]
+    the first 1-D field); never those in ``stacked``."""
+    candidates = [f for f in fields if f not in stacked and _is_sequence(items[0][f])]
     columns = {f: [_as_1d(item[f], max_length) for item in items] for f in candidates}
     lengths = {f: [len(v) for v in col] for f, col in columns.items()}
     varying = [f for f in candidates if len(set(lengths[f])) > 1]
