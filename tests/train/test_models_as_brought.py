@@ -304,14 +304,24 @@ def test_a_loss_handed_a_models_structured_output_names_output_field_before_trai
     assert math.isfinite(row["train_loss"])
 
 
-@pytest.mark.parametrize("labels", ["multi-hot", "one-hot", "regression"])
-def test_a_classifier_on_its_own_loss_gets_the_task_its_float_labels_say(tmp_path, labels):
-    """Float labels shaped like the logits were all taken for class probabilities: a multi-label
-    BERT (its own BCE) was scored by argmax accuracy (argmax of a multi-hot row) and monitored by
-    it. Rows of 0s and 1s that are not one-hot are multi-label (per-label AUC); rows that sum to
-    1 are classes; other floats are a regression's, with no accuracy."""
-    problem = {"multi-hot": "multi_label_classification", "one-hot": "multi_label_classification",
-               "regression": "regression"}[labels]
+def test_the_task_of_a_models_own_loss_is_read_from_its_float_labels():
+    """Float labels shaped like the logits were all taken for class probabilities: multi-hot rows
+    were scored by argmax accuracy, and a regression over several outputs got one too."""
+    from xlatrain.train.metrics import task_from_shapes
+
+    logits, g = torch.zeros(6, 4), torch.Generator().manual_seed(0)
+    multi_hot = torch.tensor([[1.0, 1.0, 0, 0], [0, 0, 0, 0], [0, 1.0, 0, 1.0]] * 2)
+    assert task_from_shapes(logits, multi_hot) == "multilabel"
+    assert task_from_shapes(logits, nn.functional.one_hot(torch.arange(6) % 4, 4).float()) == "classification"
+    assert task_from_shapes(logits, torch.softmax(torch.randn(6, 4, generator=g), 1)) == "classification"  # mixed
+    assert task_from_shapes(logits, torch.randn(6, 4, generator=g)) == "none"
+    assert task_from_shapes(logits, torch.arange(6) % 4) == "classification"
+
+
+@pytest.mark.parametrize("problem", ["multi_label_classification", "regression"])
+def test_a_hugging_face_classifier_gets_the_task_its_problem_type_says(tmp_path, problem):
+    """A multi-label BERT whose labels have one positive in every row reads as one-hot to the
+    labels alone; its problem_type says multi-label (per-label AUC), and a regression's none."""
     config = transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
                                      vocab_size=50, num_labels=4, max_position_embeddings=32, problem_type=problem)
     torch.manual_seed(0)
@@ -320,16 +330,12 @@ def test_a_classifier_on_its_own_loss_gets_the_task_its_float_labels_say(tmp_pat
 
     def items(n):
         ids = torch.randint(5, 50, (n, 10), generator=g)
-        y = {"multi-hot": lambda: (torch.rand(n, 4, generator=g) > 0.5).float(),
-             "one-hot": lambda: nn.functional.one_hot(torch.randint(0, 4, (n,), generator=g), 4).float(),
-             "regression": lambda: torch.randn(n, 4, generator=g)}[labels]()
-        y[0] = torch.tensor([1.0, 1.0, 0.0, 0.0]) if labels == "multi-hot" else y[0]  # surely not one-hot
+        y = nn.functional.one_hot(torch.randint(0, 4, (n,), generator=g), 4).float()
         return [{"input_ids": a, "labels": b} for a, b in zip(ids, y)]
 
     trainer = _trainer(model, None, tmp_path / "run", epochs=1)
     row = trainer.fit(items(16), items(8))[-1]
-    expected = {"multi-hot": ("multilabel", "val_mean_auc"), "one-hot": ("classification", "val_accuracy"),
-                "regression": ("none", "val_loss")}[labels]
+    expected = {"multi_label_classification": ("multilabel", "val_mean_auc"), "regression": ("none", "val_loss")}[problem]
     assert (trainer.task, trainer.monitor) == expected and expected[1] in row
 
 

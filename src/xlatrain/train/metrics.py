@@ -37,12 +37,22 @@ def infer_task(loss_fn: Any) -> str:
     return "none"
 
 
-def task_from_shapes(predictions: Any, targets: Any) -> str:
+# A Hugging Face model's config.problem_type, where it says the task (None: the batch decides).
+_PROBLEM_TYPES = {"single_label_classification": "classification", "multi_label_classification": "multilabel",
+                  "regression": "none"}
+
+
+def task_from_shapes(predictions: Any, targets: Any, model: Any = None) -> str:
     """What a batch says the task is, where the loss does not (the model's own loss):
     ``classification`` for ``[N, C]`` logits with ``[N]`` class indices or ``[N, C]`` class
     probabilities (rows that sum to 1: one-hot, smoothed, mixed), ``multilabel`` for ``[N, C]``
     targets of 0s and 1s that are not one-hot (a multi-label classifier's), else ``none`` (float
-    targets of another kind are a regression's). Float targets are read once on the host."""
+    targets of another kind are a regression's). Float targets are read once on the host. A
+    Hugging Face ``model`` whose ``config.problem_type`` is set says it instead (a multi-label
+    batch with one positive in every row reads as one-hot)."""
+    said = _PROBLEM_TYPES.get(getattr(getattr(model, "config", None), "problem_type", None) or "")
+    if said is not None:
+        return said
     if not (isinstance(predictions, torch.Tensor) and isinstance(targets, torch.Tensor)):
         return "none"
     if predictions.dim() != 2 or not predictions.is_floating_point() or predictions.shape[1] < 2:

@@ -140,7 +140,7 @@ def _training_batch(trainer: Trainer, train_data: Any) -> tuple[perf.StepProfile
                     raise ValueError(no_grad_message(trainer.loss_fn))
                 trainer._term_names = list(terms)
                 if trainer.task == "auto":
-                    trainer.task = task_from_shapes(io.predictions(outputs), targets)
+                    trainer.task = task_from_shapes(io.predictions(outputs), targets, module)
                 checked.append(True)
             return loss
         return run
@@ -216,7 +216,7 @@ def _validation_batch(trainer: Trainer, val_data: Any) -> list[str] | None:
             if trainer._eval_loss.mode == "whole_set" and (note := _whole_set_note(trainer, outputs, targets, val_data)):
                 trainer._say(note)
             if trainer.task == "auto":
-                trainer.task = task_from_shapes(predictions, targets)
+                trainer.task = task_from_shapes(predictions, targets, trainer.strategy.unwrap(model))
             if trainer.task != "none" or trainer.config.top_k:
                 check_task(trainer.task, as_float(predictions), targets, trainer.config.top_k,
                            task_given=trainer.config.task != "auto")
