@@ -215,6 +215,9 @@ def _built(recipe, root, *sets):
             optimizer.step()
             schedule.step()
     group = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
+    for data in (parts.train_data, parts.val_data):  # no reader left fetching once a test's storage is gone
+        if hasattr(data, "close"):
+            data.close()
     out = {
         "sizes": (len(parts.train_data), len(parts.val_data)),
         "train": (tuple(train_x.shape), _digest(train_x), _digest(train_y)),

@@ -547,6 +547,12 @@ class _RemoteRecords:
             self._pending: dict[bytes, Any] = {}
             self._bytes: dict[tuple[int, int], memoryview] = {}
 
+    def close(self) -> None:
+        """Drop the fetches not yet begun (one under way finishes, retries included)."""
+        if self._pid == os.getpid():
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pid = None  # a later use starts a pool of its own again
+
     def start(self, gids: np.ndarray, index: RecordIndex) -> None:
         try:
             self._own()
@@ -1561,6 +1567,8 @@ class ShardDataset:
         workers, self._workers = self._workers, None
         if workers is not None:
             workers.close()
+        if self._reader._remote is not None:  # prefetches of object-storage records still queued
+            self._reader._remote.close()
 
     def __enter__(self) -> ShardDataset:
         return self
