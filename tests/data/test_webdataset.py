@@ -63,3 +63,12 @@ def test_a_tar_that_breaks_before_its_first_sample_is_counted_as_one_of_unknown_
     assert "shard-02.tar is not a readable tar" in entry["reason"]
     assert "leaving out shard-02.tar, an unknown number of records (it breaks before its first sample; counted as " \
            "one)" in caplog.text
+
+
+def test_every_tar_left_out_is_said_as_such_not_as_tars_without_images(tmp_path):
+    """Each tar unreadable under on_error='skip': the error said the tars held no .jpg member."""
+    root = _write_tars(tmp_path / "wds")
+    for tar in root.glob("*.tar"):
+        tar.write_bytes(tar.read_bytes()[:100])
+    with pytest.raises(ValueError, match=r"every tar was left out under on_error='skip' \(shard-00.tar: .*Replace the damaged tars"):
+        ShardDataset(root, channels=1, labels=["rid"], on_error="skip", num_workers=0)

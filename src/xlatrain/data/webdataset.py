@@ -140,6 +140,10 @@ def open_tar_index(root: Path | str, tars: list[tuple[str, int]], options: Any) 
         per_tar.append(found)
     samples = [s for (name, _), found in zip(tars, per_tar) if name not in dropped for s in found]
     images = [s for s in samples if s.length >= 0]
+    if not images and len(dropped) == len(tars):
+        why = "; ".join(f"{name}: {reason}" for name, (_, reason) in list(dropped.items())[:3])
+        raise ValueError(f"{root}: every tar was left out under on_error='skip' ({why}{'; ...' if len(dropped) > 3 else ''}): "
+                         "nothing is left to read. Replace the damaged tars")
     if not images:
         raise ValueError(f"{root} holds tars with no .jpg member: WebDataset samples need an image member (.jpg)")
     names = sorted({k for s in images for k in s.labels})
