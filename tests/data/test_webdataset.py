@@ -72,3 +72,19 @@ def test_every_tar_left_out_is_said_as_such_not_as_tars_without_images(tmp_path)
         tar.write_bytes(tar.read_bytes()[:100])
     with pytest.raises(ValueError, match=r"every tar was left out under on_error='skip' \(shard-00.tar: .*Replace the damaged tars"):
         ShardDataset(root, channels=1, labels=["rid"], on_error="skip", num_workers=0)
+
+
+def test_a_sample_with_no_image_is_listed_where_it_is_counted(tmp_path):
+    """Left out and counted in num_skipped, it was missing from skipped."""
+    root = tmp_path / "wds"
+    root.mkdir()
+    image = simplejpeg.encode_jpeg(np.zeros((16, 16, 1), np.uint8), colorspace="GRAY", colorsubsampling="Gray")
+    with tarfile.open(root / "a.tar", "w") as tar:
+        for name, data in [("000000.jpg", image), ("000000.cls", b"1"), ("000001.cls", b"0")]:  # 000001: no image
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    ds = ShardDataset(root, channels=1, num_workers=0)
+    assert ds.num_skipped == 1
+    assert ds.skipped == [{"record": None, "what": "shard a.tar (1 records)",
+                           "reason": "1 sample(s) in it have no image member (.jpg), e.g. 000001"}]

@@ -33,7 +33,8 @@ class RecordIndex:
     group_codes: np.ndarray
     group_names: list[str]
     # (shard, records, reason) left out under on_error="skip"; a WebDataset tar counts the records found
-    # before it breaks, and None where none were (one row with length -1 stands for it).
+    # before it breaks, and None where none were (one row with length -1 stands for it), or those of
+    # its samples that have no image member.
     dropped: list[tuple[str, int | None, str]]
     crc_known: bool = True  # WebDataset tars store no checksums
     paths: list[str] | None = None  # each record's source, where the shards' own indexes do not hold it

@@ -164,8 +164,12 @@ def open_tar_index(root: Path | str, tars: list[tuple[str, int]], options: Any) 
     codes: dict[str, int] = {}
     row = 0
     for s_index, ((name, _), found) in enumerate(zip(tars, per_tar)):
+        imageless = [s.key for s in found if s.length < 0] if name not in dropped else []
         if name in dropped:
             ix.dropped.append((name, *dropped[name]))
+        elif imageless:  # left out and counted like a dropped tar's rows: listed too
+            ix.dropped.append((name, len(imageless), f"{len(imageless)} sample(s) in it have no image member (.jpg), "
+                                                     f"e.g. {imageless[0]}"))
         for local, sample in enumerate(found):
             ix.shard[row], ix.local[row] = s_index, local
             ix.paths.append(f"{name}/{sample.key}")
