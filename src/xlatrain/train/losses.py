@@ -118,9 +118,14 @@ class _TargetWeights:
         return cls(keywords.get("weight"), keywords.get("ignore_index", -100)) if keywords.get("reduction", "mean") == "mean" \
             else None
 
+    @staticmethod
+    def apply_to(targets: Any) -> bool:
+        """Class indices; class probabilities take a plain mean over positions."""
+        return isinstance(targets, torch.Tensor) and not targets.is_floating_point()
+
     def __call__(self, targets: Any) -> torch.Tensor | None:
-        if not isinstance(targets, torch.Tensor) or targets.is_floating_point():
-            return None  # class probabilities: a plain mean over positions
+        if not self.apply_to(targets):
+            return None
         kept = targets != self.ignore_index
         if self.weight is not None and self.weight.device != targets.device:
             self.weight = self.weight.to(targets.device)  # once: a function's weights may sit on the host
@@ -190,7 +195,8 @@ class EvalLoss:
         loss: its mean, or its sum where the loss's mean divides by :meth:`weights` or the rows."""
         assert self.per_sample is not None
         total, terms = loss_terms(self.per_sample(outputs, targets), per_sample=True)
-        row = _rows_sum if self._batchmean or self.weights(targets) is not None else rows_mean
+        weighted = self.target_weights is not None and self.target_weights.apply_to(targets)
+        row = _rows_sum if self._batchmean or weighted else rows_mean
         return {"loss": row(total), **{k: row(v) for k, v in terms.items()}}
 
     def whole_set(self, outputs: Any, targets: Any) -> dict[str, float]:
