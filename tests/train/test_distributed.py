@@ -78,6 +78,20 @@ def test_scale_lr_multiplies_the_rate_by_the_process_count_under_torchrun(tmp_pa
     assert proc.stdout.count("learning rate scaled x2 by device count (scale_lr=True): 0.1 -> 0.2") == 1  # rank 0 says it
 
 
+@pytest.mark.multiprocess
+def test_processes_whose_batches_are_padded_to_different_lengths_give_every_row_to_metrics_and_predict(tmp_path):
+    """In each validation step process 0 holds 4-token batches and process 1 12-token ones: the
+    gather that joins them raised in gloo after training. The narrower are padded with -100, as
+    batches of different lengths on one process are."""
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    run_command([torchrun, "--nproc-per-node", "2", "--master-port", "0", "--standalone",
+                 str(SCRIPTS / "ragged_eval.py"), str(tmp_path)])
+    out = json.loads((tmp_path / "ragged.json").read_text())
+    assert out["seen"][-1] == [[20, 12, 3], [20, 12]]  # every row once, at the widest length
+    assert out["metric"] == pytest.approx(out["hand"], rel=1e-6)
+    assert out["predicted_shape"] == [20, 12, 3] and out["predict_error"] < 1e-5 and out["padded_with_-100"]
+
+
 @pytest.mark.xla
 @pytest.mark.parametrize("task", ["classification", "multilabel"])
 def test_xla_compilations_do_not_grow_after_the_first_epoch(tmp_path, task):

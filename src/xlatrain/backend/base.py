@@ -215,6 +215,12 @@ class Strategy(Protocol):
         """True on every process if ``flag`` is true on any (host-side; no device sync)."""
         ...
 
+    def host_max(self, values: list[int]) -> list[int]:
+        """The largest of each of ``values`` over the processes whose tensors :meth:`all_gather`
+        joins (host-side; no device sync): the sizes a batch's rows are padded to before that
+        gather, where each process padded its sequences to its own longest."""
+        ...
+
     def model_shapes(self, model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
         """Every distinct weight's full (unsharded) shape, by name."""
         ...

@@ -100,6 +100,9 @@ class EagerStrategy:
     def any_process(self, flag: bool) -> bool:
         return self._procs.any_process(flag)
 
+    def host_max(self, values: list[int]) -> list[int]:
+        return self._procs.host_max(values)
+
     def model_shapes(self, model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
         return model_state.full_shapes(self.unwrap(model))
 

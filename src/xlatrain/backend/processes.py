@@ -184,3 +184,10 @@ class Processes:
         t = torch.tensor([int(flag)])
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._host_group)
         return bool(t[0])
+
+    def host_max(self, values: list[int]) -> list[int]:
+        if self.world_size == 1 or not values:
+            return values
+        t = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._host_group)
+        return t.tolist()

@@ -96,6 +96,9 @@ class XlaStrategy:
     def any_process(self, flag: bool) -> bool:
         return any(self.gather_objects(bool(flag)))
 
+    def host_max(self, values: list[int]) -> list[int]:
+        return values  # one process, or SPMD: one program over every device, one shape
+
     def model_shapes(self, model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
         return model_state.full_shapes(model)
 

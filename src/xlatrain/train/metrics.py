@@ -98,9 +98,19 @@ class RowCollector:
 
     def add(self, tree: Any) -> None:
         leaves, self._spec = tree_flatten(tree)
+        leaves = [t.detach() for t in leaves]
+        # Each process may have padded its sequences to its own longest, and a gather needs one
+        # size: where the processes' sizes differ, every process pads as padded_cat pads.
+        sizes = [n for t in leaves for n in t.shape[1:]]
+        most = self._strategy.host_max(sizes + [-n for n in sizes])
+        widest, narrowest = iter(most[:len(sizes)]), iter(most[len(sizes):])
+        for i, t in enumerate(leaves):
+            w, n = [next(widest) for _ in t.shape[1:]], [-next(narrowest) for _ in t.shape[1:]]
+            if w != n:
+                leaves[i] = pad_to(t, w)
         slot: list[torch.Tensor] = []
         self._host.append(slot)
-        self._runtime.defer(lambda *ts: slot.extend(ts), [self._strategy.all_gather(t.detach()) for t in leaves])
+        self._runtime.defer(lambda *ts: slot.extend(ts), [self._strategy.all_gather(t) for t in leaves])
 
     def result(self) -> Any:
         self._runtime.read([])  # run any deferred copies still in flight
@@ -136,14 +146,17 @@ def padded_cat(parts: list[torch.Tensor]) -> torch.Tensor:
         raise ValueError(f"evaluation's batches give outputs or targets of different ranks ({sorted(sizes)}): "
                          "return the same structure for every batch")
     widest = [max(size[d] for size in sizes) for d in range(len(next(iter(sizes))))]
-    padded = []
-    for part in parts:
-        if part.dtype in (torch.uint8, torch.uint16, torch.uint32, torch.uint64):
-            part = part.long()  # -100 would wrap (156 in a uint8)
-        out = part.new_full((part.shape[0], *widest), False if part.dtype == torch.bool else PAD_VALUE)
-        out[(slice(None), *(slice(0, n) for n in part.shape[1:]))] = part
-        padded.append(out)
-    return torch.cat(padded)
+    return torch.cat([pad_to(part, widest) for part in parts])
+
+
+def pad_to(part: torch.Tensor, widest: list[int]) -> torch.Tensor:
+    """``part`` padded at the end of each dimension after the first to ``widest``, as
+    :func:`padded_cat` pads (unsigned integers become int64 even where nothing is padded)."""
+    if part.dtype in (torch.uint8, torch.uint16, torch.uint32, torch.uint64):
+        part = part.long()  # -100 would wrap (156 in a uint8)
+    out = part.new_full((part.shape[0], *widest), False if part.dtype == torch.bool else PAD_VALUE)
+    out[(slice(None), *(slice(0, n) for n in part.shape[1:]))] = part
+    return out
 
 
 # Output keys that hold an attention cache (Hugging Face's past_key_values, named cache and
