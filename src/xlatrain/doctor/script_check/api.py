@@ -26,13 +26,13 @@ class ApiRules:
     """Removed and deprecated torch_xla APIs, spawn's arguments, torch.load of a checkpoint, dynamic shapes, and the porting notes."""
 
     def add_api(self, node: ast.AST, api: _Api, prefix: str = "") -> None:
-        if api.severity == "error" and self.guarded(node, _CATCHES_ATTRIBUTE | _CATCHES_IMPORT):
+        reason = self.guarded(node, _CATCHES_ATTRIBUTE | _CATCHES_IMPORT) if api.severity == "error" else None
+        if reason:
             self.add(
                 node,
                 api.code,
                 "info",
-                f"{prefix}{api.message}; it sits behind a try/except or a version check here, so it "
-                "fails only where that branch still takes it",
+                f"{prefix}{api.message}; {reason}, so it fails only where that branch is still taken",
                 api.fix,
             )
         else:
@@ -148,18 +148,19 @@ class ApiRules:
         )
     def check_spawn(self, call: ast.Call) -> None:
         nprocs = _arg(call, 2, "nprocs")
-        values = self.static_values(nprocs)
+        values = self.arg_values(call, 2, "nprocs")
         fix = (
             "drop nprocs: torch_xla starts one process per local chip itself; or use xlatrain's "
             "default SPMD mode (one process drives every chip)"
         )
         if values is None:
+            given = f"nprocs={ast.unparse(nprocs)}" if nprocs is not None else "*args / **kwargs, which may carry nprocs"
             self.add(
                 call,
                 "spawn-nprocs",
                 "info",
-                f"xmp.spawn(nprocs={ast.unparse(nprocs)}): the check cannot read its value without "
-                "running the script; torch_xla 2.9 raises ValueError for anything but 1 or None",
+                f"xmp.spawn({given}): the check cannot read its value without running the script; "
+                "torch_xla 2.9 raises ValueError for anything but 1 or None",
                 fix,
             )
             return
@@ -181,7 +182,7 @@ class ApiRules:
                 call,
                 "spawn-nprocs",
                 "info",
-                f"xmp.spawn(nprocs={ast.unparse(nprocs)}) is {shown} on some paths (it can also be "
+                f"xmp.spawn(nprocs={ast.unparse(nprocs) if nprocs is not None else '...'}) is {shown} on some paths (it can also be "
                 f"{' or '.join(repr(v) for v in sorted(values - set(bad), key=repr))}): there torch_xla "
                 "2.9 raises ValueError ('Unsupported nprocs')",
                 fix,

@@ -32,6 +32,7 @@ class ScriptFinding:
     severity: str
     message: str
     fix: str
+    cell: int | None = None  # in a notebook: the code cell (1-based; ``line`` counts within it)
 
 
 @dataclass(frozen=True)
@@ -335,8 +336,10 @@ _DATALOADERS = {"torch.utils.data.DataLoader", "torch.utils.data.dataloader.Data
 # Methods that copy a device tensor to the host: each one waits for the device to finish.
 _SYNC_METHODS = {"item", "tolist", "numpy", "cpu"}
 # Attributes and methods of a tensor that are plain Python values, read without a sync.
-_META_ATTRS = {"shape", "dtype", "device", "ndim", "requires_grad", "is_leaf", "layout", "names"}
-_META_METHODS = {"size", "dim", "numel", "element_size", "stride", "is_contiguous", "get_device", "__len__"}
+_META_ATTRS = {"shape", "dtype", "device", "ndim", "requires_grad", "is_leaf", "layout", "names", "grad_fn",
+               "is_cuda", "is_xla", "is_cpu", "is_meta", "is_sparse", "is_quantized", "itemsize", "nbytes"}
+_META_METHODS = {"size", "dim", "ndimension", "numel", "nelement", "element_size", "stride", "is_contiguous",
+                 "get_device", "__len__", "is_floating_point", "is_complex", "is_signed", "storage_offset"}
 # Methods that return their receiver (a module or tensor) unchanged in kind.
 _SAME_KIND_METHODS = {"train", "eval", "float", "half", "bfloat16", "double", "requires_grad_",
                       "detach", "clone", "contiguous", "share_memory"}
@@ -407,28 +410,32 @@ def exit_code(findings: Iterable[ScriptFinding]) -> int:
     return 1 if any(f.severity in ("error", "warning") for f in findings) else 0
 
 
-def render_text(path: str, findings: Sequence[ScriptFinding]) -> str:
-    """Compiler-style lines (``path:line:col: severity [code] message``, the fix under each), then
-    the porting notes grouped by what they port, one entry per kind of call with its lines."""
+def render_text(path: str, findings: Sequence[ScriptFinding] | str) -> str:
+    """Compiler-style lines (``path:line:col: severity [code] message``, the fix under each; ``path:
+    cell N, line L:`` in a notebook), then the porting notes grouped by what they port, one entry per
+    kind of call with its lines. ``findings`` as a string is why the script could not be checked."""
+    if isinstance(findings, str):
+        return findings
     problems = [f for f in findings if not is_port_note(f)]
     ports = [f for f in findings if is_port_note(f)]
     lines = []
     if not problems:
         lines.append(f"{path}: no known torch_xla pitfalls found")
     for f in problems:
-        lines.append(f"{path}:{f.line}:{f.col + 1}: {f.severity} [{f.code}] {f.message}")
+        where = f"{path}:{f.line}:{f.col + 1}" if f.cell is None else f"{path}: cell {f.cell}, line {f.line}"
+        lines.append(f"{where}: {f.severity} [{f.code}] {f.message}")
         lines.append(f"    fix: {f.fix}")
     if ports:
         # one entry per kind of port, naming each torch_xla call and its lines once
-        groups: dict[tuple[str, str, str], dict[str, list[int]]] = {}
+        groups: dict[tuple[str, str, str], dict[str, list[tuple[int | None, int]]]] = {}
         for f in ports:
             what, _, text = f.message.partition(_PORT_SEP)
             at = groups.setdefault((f.code, text, f.fix), {}).setdefault(what, [])
-            if f.line not in at:
-                at.append(f.line)
+            if (f.cell, f.line) not in at:
+                at.append((f.cell, f.line))
         lines.append(f"{path}: porting to TorchTPU ({len(ports)} torch_xla call(s), {len(groups)} kind(s)):")
         for (code, text, fix), calls in groups.items():
-            where = ", ".join(f"{what} (line{'s' if len(at) > 1 else ''} {_lines(at)})" for what, at in calls.items())
+            where = ", ".join(f"{what} ({_places(at)})" for what, at in calls.items())
             lines.append(f"  [{code}] {where}")
             lines.append(f"      TorchTPU: {text}")
             lines.append(f"      xlatrain: {fix}")
@@ -441,16 +448,25 @@ def render_text(path: str, findings: Sequence[ScriptFinding]) -> str:
     return "\n".join(lines)
 
 
-def _lines(at: Sequence[int]) -> str:
-    shown = ", ".join(map(str, at[:8]))
+def _places(at: Sequence[tuple[int | None, int]]) -> str:
+    if all(cell is None for cell, _ in at):
+        return f"line{'s' if len(at) > 1 else ''} {_lines([line for _, line in at])}"
+    return _lines([f"cell {cell}, line {line}" for cell, line in at], "; ")
+
+
+def _lines(at: Sequence[object], sep: str = ", ") -> str:
+    shown = sep.join(map(str, at[:8]))
     return shown + (f" and {len(at) - 8} more" if len(at) > 8 else "")
 
 
-def render_json(results: Mapping[str, Sequence[ScriptFinding]]) -> str:
+def render_json(results: Mapping[str, Sequence[ScriptFinding] | str]) -> str:
     """``{"scripts": [{"path", "exit_code", "findings": [...]}], "exit_code"}`` as JSON; porting
-    notes are findings with a ``port:`` code and severity ``info``."""
+    notes are findings with a ``port:`` code and severity ``info``; ``cell`` is the notebook cell
+    (null in a script). A script that could not be checked (its value a string: why) has exit code
+    2, no findings and ``"error"``: the message."""
     scripts = [
-        {"path": path, "exit_code": exit_code(fs), "findings": [asdict(f) for f in fs]}
+        {"path": path, "exit_code": 2, "error": fs, "findings": []} if isinstance(fs, str)
+        else {"path": path, "exit_code": exit_code(fs), "findings": [asdict(f) for f in fs]}
         for path, fs in results.items()
     ]
     worst = max((s["exit_code"] for s in scripts), default=0)

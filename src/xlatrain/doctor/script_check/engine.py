@@ -541,6 +541,8 @@ class Engine:
             return set().union(*(self.kinds(e) for e in node.elts)) if node.elts else {_K_HOST}
         if isinstance(node, ast.Dict):
             return set().union(*(self.kinds(v) for v in node.values)) if node.values else {_K_HOST}
+        if isinstance(node, ast.Compare) and all(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops):
+            return {_K_HOST}  # `is` compares identities: it never reads a tensor
         if isinstance(node, (ast.BinOp, ast.Compare)):
             operands = [node.left, node.right] if isinstance(node, ast.BinOp) else [node.left, *node.comparators]
             return self._combine(operands)
@@ -867,30 +869,50 @@ class Engine:
             for site, _ in self.sites(fn).calls:
                 out += self.anchors(site, depth - 1)
         return out
-    def guarded(self, node: ast.AST, catches: set[str]) -> bool:
-        """True when ``node`` sits in a try body whose handler catches one of ``catches``, or
-        behind an ``if`` on hasattr() or a version: code written to survive the failure."""
+    def guarded(self, node: ast.AST, catches: set[str]) -> str | None:
+        """Why ``node`` may never run where it would fail, or None: it sits in a try body whose
+        handler catches one of ``catches``, in an except handler (a fallback), or behind an ``if``
+        on hasattr(), getattr(..., default) or a version: code written to survive the failure."""
         cur: ast.AST = node
         parent = self.parents.get(cur)
         while parent is not None and not isinstance(parent, _SCOPES):
             if isinstance(parent, ast.Try) and any(cur is s for s in parent.body):
                 for handler in parent.handlers:
                     if handler.type is None:
-                        return True
+                        return "it sits in a try body whose except catches the failure"
                     names = {n.id for n in ast.walk(handler.type) if isinstance(n, ast.Name)}
                     names |= {n.attr for n in ast.walk(handler.type) if isinstance(n, ast.Attribute)}
                     if names & catches:
-                        return True
+                        return "it sits in a try body whose except catches the failure"
+            if isinstance(parent, ast.ExceptHandler):
+                return ("it is the fallback of a try/except, run only when the try body fails (on torch_xla "
+                        "2.9 the try body runs when it calls what 2.9 has)")
             if isinstance(parent, (ast.If, ast.IfExp, ast.While)) and cur is not parent.test:
-                test = ast.unparse(parent.test)
-                if "hasattr" in test or "version" in test.lower():
-                    return True
+                if self._feature_test(parent.test):
+                    return "it sits behind a hasattr / getattr / version check"
                 # a switch between releases: the other arm calls torch_xla 2.x's replacement
                 other = parent.orelse if self._in_arm(cur, parent.body) else parent.body
                 for n in _walk(other if isinstance(other, list) else [other]):
                     if isinstance(n, ast.Call) and self.call_name(n).startswith(f"{XR}."):
-                        return True
+                        return "the other branch of its if calls torch_xla.runtime"
             cur, parent = parent, self.parents.get(parent)
+        return None
+    def _feature_test(self, test: ast.AST) -> bool:
+        """A test on hasattr(), a version, or getattr(<torch_xla module>, name, ...), directly or
+        through a name assigned from it (``fn = getattr(xr, "world_size", None)``, ``if fn is None:``)."""
+        text = ast.unparse(test)
+        if "hasattr" in text or "version" in text.lower():
+            return True
+        for n in ast.walk(test):
+            values = [n] + ([b.value for b in self.resolve(n).bindings] if isinstance(n, ast.Name) else [])
+            for v in values:
+                if (
+                    isinstance(v, ast.Call)
+                    and self.call_name(v) == "getattr"
+                    and v.args
+                    and (self.qualify(v.args[0]) or "").startswith("torch_xla")
+                ):
+                    return True
         return False
     @staticmethod
     def _in_arm(node: ast.AST, arm: Any) -> bool:
@@ -923,7 +945,51 @@ class Engine:
         if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name):
             return self._dict_item_values(node.value, _const(node.slice), depth)
         return None
-    def _dict_item_values(self, base: ast.Name, key: Any, depth: int) -> set[Any] | None:
+    def arg_values(self, call: ast.Call, index: int, name: str, default: Any = None) -> set[Any] | None:
+        """Every value ``call`` can pass for parameter ``name`` (position ``index``), ``default``
+        when it passes none, reading a tuple given by ``*`` and a dict given by ``**`` where the
+        code settles them (``xmp.spawn(fn, **SPAWN_KW)``); None when the code does not say."""
+        explicit = _kw(call, name)
+        if explicit is not None:
+            return self.static_values(explicit)
+        positional: list[ast.AST] = []
+        for a in call.args:
+            if isinstance(a, ast.Starred):
+                elts = self._literal_elts(a.value)
+                if elts is None:
+                    return None if len(positional) <= index else self.static_values(positional[index])
+                positional += elts
+            else:
+                positional.append(a)
+        if index < len(positional):
+            return self.static_values(positional[index])
+        for k in call.keywords:
+            if k.arg is not None:
+                continue
+            if isinstance(k.value, ast.Dict):
+                if any(key is None for key in k.value.keys):
+                    return None
+                given = [v for key, v in zip(k.value.keys, k.value.values) if _const(key) == name]
+                if given:
+                    return self.static_values(given[0])
+            elif isinstance(k.value, ast.Name):
+                values = self._dict_item_values(k.value, name, 0, missing=default)
+                if values is None or values != {default}:
+                    return values
+            else:
+                return None
+        return {default}
+    def _literal_elts(self, node: ast.AST) -> list[ast.AST] | None:
+        """The elements of a tuple literal, given directly or by a name bound once to it."""
+        if isinstance(node, ast.Name):
+            b = self.resolve(node).single
+            node = b.value if b is not None and b.kind == "assign" and not b.path else None
+        if isinstance(node, ast.Tuple) and not any(isinstance(e, ast.Starred) for e in node.elts):
+            return list(node.elts)
+        return None
+    def _dict_item_values(self, base: ast.Name, key: Any, depth: int, missing: Any = ...) -> set[Any] | None:
+        """The values of ``base[key]`` for a dict literal ``base`` the code only writes literals
+        to; ``missing`` (when given) for a key the literal lacks."""
         b = self.resolve(base).single
         if key is None or b is None or b.kind != "assign" or b.path or not isinstance(b.value, ast.Dict):
             return None
@@ -938,6 +1004,8 @@ class Engine:
         for k, v in zip(b.value.keys, b.value.values):
             if k is None or (_const(k) == key and not take(v)):
                 return None
+        if missing is not ... and key not in [_const(k) for k in b.value.keys]:
+            values.add(missing)
         for n in ast.walk(self.tree):
             if isinstance(n, ast.Subscript) and isinstance(n.ctx, (ast.Store, ast.Del)):
                 k = _const(n.slice)

@@ -193,6 +193,15 @@ class LoaderRules:
                     f"which the check cannot read: if it is false, {ragged}",
                     ragged_fix,
                 )
+            elif feeds_training and True in drops:
+                self.add(
+                    call,
+                    "ragged-batch",
+                    "info",
+                    f"training DataLoader with drop_last={ast.unparse(drop_last)}, which is False on some "
+                    f"paths (it can also be True): where it is False, {ragged}",
+                    ragged_fix,
+                )
             elif feeds_training:
                 self.add(
                     call,
@@ -265,7 +274,7 @@ class LoaderRules:
         split itself by rank, which the check cannot see."""
         # spawn(fn, args, nprocs=1) runs one process
         starts = next((c for c in calls if self.call_name(c) in _MANY_PROCESSES and not (
-            self.call_name(c).endswith("spawn") and _const(_arg(c, 2, "nprocs")) == 1)), None)
+            self.call_name(c).endswith("spawn") and self.arg_values(c, 2, "nprocs") == {1})), None)
         if starts is None:
             return
         train, _ = self.fed_loaders()
@@ -287,7 +296,11 @@ class LoaderRules:
 
     def check_samplers(self, calls: list[ast.Call]) -> None:
         samplers = [c for c in calls if self.call_name(c).endswith("DistributedSampler")]
-        sets_epoch = any(isinstance(c.func, ast.Attribute) and c.func.attr == "set_epoch" for c in calls)
+        # which samplers set_epoch() is called on, where the code ties the call to one; a call it
+        # cannot tie (loader.sampler.set_epoch, a parameter) may be on any of them
+        set_epochs = [c for c in calls if isinstance(c.func, ast.Attribute) and c.func.attr == "set_epoch"]
+        tied = {c: self.sampler_of(c.func.value) for c in set_epochs}  # type: ignore[attr-defined]
+        untied = None in tied.values()
         train, other = self.fed_loaders()
         feeds = {}
         for loader in calls:
@@ -300,13 +313,15 @@ class LoaderRules:
             world = [_kw(call, "num_replicas"), _kw(call, "rank")]
             if any(isinstance(w, ast.Call) and self.call_name(w) in _WORLD_CALLS for w in world):
                 self.add_port(call, "DistributedSampler(num_replicas=..., rank=...) from torch_xla", _PORT_SAMPLER)
-            if shuffles == {True} and not sets_epoch and role != "eval":
+            if shuffles == {True} and not untied and call not in tied.values() and role != "eval":
+                others = ", ".join(f"{ast.unparse(c.func)}() (line {c.lineno})" for c in tied)  # type: ignore[attr-defined]
                 self.add(
                     call,
                     "sampler-set-epoch",
                     "info",
-                    "DistributedSampler shuffles, but sampler.set_epoch() is never called: every epoch "
-                    "draws the same order",
+                    "DistributedSampler shuffles, but set_epoch() is never called on it"
+                    + (f" (only {others}, on another sampler)" if others else "")
+                    + ": every epoch draws the same order",
                     "call sampler.set_epoch(epoch) at the start of each epoch; xlatrain's sampler "
                     "reshuffles per epoch from the seed itself",
                 )

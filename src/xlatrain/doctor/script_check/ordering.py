@@ -59,10 +59,17 @@ class OrderRules:
                 earlier = [m for m in same if m is not move and not self.runs_before(opt, m)]
                 if not after or earlier:
                     continue
-                certain = target == _K_XLA_DEVICE
-                where = "the XLA device" if certain else ast.unparse(move.args[0]) if move.args else "the device"
-                unsure = "" if certain else ", which the check cannot place"
-                then = "" if certain else f"if {where} is an XLA device, "
+                rebuilt = self._rebound_after(opt, move)
+                if rebuilt is True:
+                    break  # the name gets a new optimizer after the move: that is the one stepped
+                certain = target == _K_XLA_DEVICE and rebuilt is None
+                where = "the XLA device" if target == _K_XLA_DEVICE else ast.unparse(move.args[0]) if move.args else "the device"
+                unsure = "" if target == _K_XLA_DEVICE else ", which the check cannot place"
+                then = "" if target == _K_XLA_DEVICE else f"if {where} is an XLA device, "
+                again = "" if rebuilt is None else (
+                    f"; {self.parents[opt].targets[0].id} is bound again on line {rebuilt.lineno}, where "  # type: ignore[attr-defined]
+                    "the check cannot tell which optimizer the steps use"
+                )
                 self.add(
                     opt,
                     "optimizer-before-move",
@@ -70,11 +77,31 @@ class OrderRules:
                     f"the optimizer takes {model.id}.parameters() before {model.id} moves to {where} "
                     f"(line {move.lineno}){unsure}: on XLA .to(device) replaces every Parameter (measured "
                     f"with torch_xla 2.9), so {then}this optimizer keeps updating the CPU copies and the "
-                    "model on the device never learns",
+                    f"model on the device never learns{again}",
                     f"build the optimizer after {model.id}.to(device); xlatrain's Trainer takes an "
                     "optimizer_fn and builds the optimizer once the model is on the device",
                 )
                 break
+    def _rebound_after(self, opt: ast.Call, move: ast.Call) -> ast.AST | bool | None:
+        """For ``name = Optimizer(...)`` before ``move``: True when a later statement of the move's
+        block binds ``name`` again (the optimizer stepped from there on is a new one), the first
+        other binding of ``name`` after the move when there is one (the old one may still be
+        stepped), else None."""
+        holder = self.parents.get(opt)
+        if not (isinstance(holder, ast.Assign) and len(holder.targets) == 1 and isinstance(holder.targets[0], ast.Name)):
+            return None
+        stmt = self.stmt_of(move)
+        later = [
+            b.stmt for b in self.table(self.scope_of(opt)).get(holder.targets[0].id, [])
+            if b.stmt is not None and b.stmt is not holder and b.stmt.lineno > move.lineno  # type: ignore[attr-defined]
+        ]
+        if not later:
+            return None
+        if stmt in self.slot and self.unconditional(move, stmt):
+            parent, field, idx = self.slot[stmt]
+            if any(s in later for s in getattr(parent, field)[idx + 1 :] if isinstance(s, ast.Assign)):
+                return True
+        return later[0]
     def _steps_after_move(self, opt: ast.Call, move: ast.Call) -> bool:
         """An optimizer built at import time and stepped in a function after that function moves
         the model: the steps certainly update the CPU copies."""
@@ -105,11 +132,11 @@ class OrderRules:
         for call in calls:
             name = self.call_name(call)
             if name == f"{XMP}.spawn":
-                values = self.static_values(_arg(call, 2, "nprocs"))
+                values = self.arg_values(call, 2, "nprocs")
                 if values != {1}:
                     spawns.append((call, values is not None and 1 not in values))
             elif name == "torch_xla.launch":
-                if self.static_values(_arg(call, 3, "debug_single_process")) != {True}:
+                if self.arg_values(call, 3, "debug_single_process", False) != {True}:
                     spawns.append((call, False))  # under torchrun launch calls the function directly
         if not spawns:
             return

@@ -18,8 +18,6 @@ from xlatrain.doctor.script_check.common import (
     _PRINTS,
     _STEP_BOUNDARIES,
     _SYNC_METHODS,
-    _const,
-    _kw,
     _walk,
 )
 
@@ -223,15 +221,15 @@ class StepLoopRules:
         calls = [c for c in ast.walk(self.tree) if isinstance(c, ast.Call)]
         names = {self.call_name(c) for c in calls}
         per_device = any(isinstance(c.func, ast.Attribute) and c.func.attr == "per_device_loader" for c in calls)
-        barrier = any(
-            self.call_name(c) == f"{XM}.optimizer_step" and _const(_kw(c, "barrier")) is True for c in calls
-        )
-        if names & _STEP_BOUNDARIES or per_device or barrier:
+        # optimizer_step(optimizer, barrier=False, ...): barrier=True cuts the graph
+        barriers = {c: self.arg_values(c, 1, "barrier", False) for c in calls if self.call_name(c) == f"{XM}.optimizer_step"}
+        if names & _STEP_BOUNDARIES or per_device or {True} in barriers.values():
             return
+        maybe = [f"{ast.unparse(c)} (whether barrier is True)" for c, v in barriers.items() if v is None or True in v]
         for loop in loops:
             if not self.runs_step(loop):
                 continue
-            unseen = self.opaque_calls(loop)
+            unseen = self.opaque_calls(loop) + maybe
             sources = self.iter_source(loop.iter) if isinstance(loop, (ast.For, ast.AsyncFor)) else []
             fed: set[str] = set().union(*(self.kinds(s) for s in sources)) if sources else {_K_HOST}
             if self.xla_moves and fed and fed <= {_K_DATALOADER, _K_HOST} and not unseen:
