@@ -2,9 +2,10 @@
 
 Without a script: the environment report (exit 0 when usable, 1 with the reason when not): which
 runtimes (TorchTPU, torch_xla, CUDA, CPU) are installed and can run here, and every known trap.
-With scripts: the static check of each (exit 0 when nothing worse than an info was found, 1
-otherwise). An unreadable or unparsable script raises ``ValueError``, which ``xlatrain``'s
-``main`` turns into exit code 2 with the message.
+With scripts (or Jupyter notebooks): the static check of each (exit 0 when nothing worse than an
+info was found, 1 otherwise). A file that cannot be checked (missing, a directory, not Python) gets
+its error in its place in the report, and exit code 2; the command exits with the worst code of
+all the files.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ examples:
   xlatrain doctor                 the environment: runtimes, versions, devices, cache, traps
   xlatrain doctor --json          the same as JSON
   xlatrain doctor train.py        what in train.py breaks or slows down on torch_xla 2.9
+  xlatrain doctor a.py nb.ipynb   the same for each file (a notebook's code cells, by cell and line)
 """
 
 
@@ -40,7 +42,9 @@ def add_doctor_parser(subparsers: Any) -> argparse.ArgumentParser:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    doctor.add_argument("scripts", nargs="*", metavar="SCRIPT", help="training scripts to check (read, never run)")
+    doctor.add_argument(
+        "scripts", nargs="*", metavar="SCRIPT", help="training scripts or .ipynb notebooks to check (read, never run)"
+    )
     doctor.add_argument("--json", action="store_true", help="print JSON instead of text")
     doctor.add_argument(
         "--strict", action="store_true", help="environment: warnings also make the exit code non-zero"
@@ -81,12 +85,18 @@ def run_doctor(
     if args.scripts:
         from xlatrain.doctor import script_check
 
-        results = {path: script_check.check_file(path) for path in args.scripts}
+        # every file gets its report; one that cannot be checked gets its error in its place
+        results: dict[str, tuple[script_check.ScriptFinding, ...] | str] = {}
+        for path in args.scripts:
+            try:
+                results[path] = script_check.check_file(path)
+            except ValueError as exc:
+                results[path] = str(exc)
         if args.json:
             print(script_check.render_json(results), file=stream)
         else:
             print("\n\n".join(script_check.render_text(p, fs) for p, fs in results.items()), file=stream)
-        return max((script_check.exit_code(fs) for fs in results.values()), default=0)
+        return max((2 if isinstance(fs, str) else script_check.exit_code(fs) for fs in results.values()), default=0)
 
     if not args.timeout > 0:
         raise ValueError(f"--timeout {args.timeout:g} is not valid: give a positive number of seconds, e.g. --timeout 120")
