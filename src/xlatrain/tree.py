@@ -4,7 +4,7 @@ dataclasses, without registering any type globally (a user's dataclass stays the
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 Spec = Any  # None for a leaf, else (kind, aux, child specs)
@@ -28,26 +28,30 @@ def tree_flatten(tree: Any) -> tuple[list[Any], Spec]:
 
 def tree_unflatten(leaves: Sequence[Any], spec: Spec) -> Any:
     """The inverse of :func:`tree_flatten`."""
-    it = iter(leaves)
+    return _build(iter(leaves), spec)
 
-    def build(s: Spec) -> Any:
-        if s is None:
-            return next(it)
-        kind, aux, children = s
-        values = [build(c) for c in children]
-        if kind == "dict":
-            cls, keys = aux
-            out = dict(zip(keys, values))
-            return out if cls is dict else _rebuild_mapping(cls, out)
-        if kind == "dataclass":
-            cls, names = aux
-            return cls(**dict(zip(names, values)))
-        cls = aux
-        if cls in (tuple, list):
-            return cls(values)
-        return cls(*values)  # a namedtuple
 
-    return build(spec)
+# A module-level function, not a closure that calls itself: such a closure and its cell form a
+# reference cycle that keeps the leaves alive until the cyclic collector runs. On XLA a device
+# tensor still alive at the next step cut becomes an output of that graph, so when the collector
+# happened to run decided which graph compiled (measured: a clean run compiled a new graph after
+# warm-up in about half its runs).
+def _build(it: Iterator[Any], s: Spec) -> Any:
+    if s is None:
+        return next(it)
+    kind, aux, children = s
+    values = [_build(it, c) for c in children]
+    if kind == "dict":
+        cls, keys = aux
+        out = dict(zip(keys, values))
+        return out if cls is dict else _rebuild_mapping(cls, out)
+    if kind == "dataclass":
+        cls, names = aux
+        return cls(**dict(zip(names, values)))
+    cls = aux
+    if cls in (tuple, list):
+        return cls(values)
+    return cls(*values)  # a namedtuple
 
 
 def _rebuild_mapping(cls: type, values: dict[str, Any]) -> Any:
