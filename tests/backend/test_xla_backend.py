@@ -36,6 +36,26 @@ def test_tied_weights_stay_tied_after_moving_to_an_xla_device(tmp_path):
     assert "TIED OK xla" in out.stdout, out.stderr[-3000:]
 
 
+BF16_NOTE = """
+import os, xlatrain
+be = xlatrain.select_backend("xla", devices=1)
+for value in ("1", "0"):
+    os.environ["XLA_USE_BF16"] = value
+    print("NOTES", value, be.runtime.notes(False))
+"""
+
+
+@pytest.mark.xla
+def test_the_tutorials_bf16_switch_is_named_in_the_run_header(tmp_path):
+    # XLA_USE_BF16=1 trains in bf16 while the header said "precision 32" and dtypes read float32.
+    out = _snippet(BF16_NOTE, tmp_path)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("NOTES ")]
+    assert len(lines) == 2, out.stderr[-3000:]
+    assert "XLA_USE_BF16=1 is set" in lines[0] and "trains in bfloat16 whatever its precision says" in lines[0]
+    assert "precision='bf16'" in lines[0]
+    assert lines[1] == "NOTES 0 []"
+
+
 MULTIPROCESS_COUNT = """
 import xlatrain
 try:

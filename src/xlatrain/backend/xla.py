@@ -147,6 +147,9 @@ def _children() -> list[tuple[int, str]]:
     return found
 
 
+BF16_SWITCHES = ("XLA_USE_BF16", "XLA_DOWNCAST_BF16")
+
+
 class XlaRuntime:
     """torch_xla's lazy tensors on a TPU, or on XLA:CPU to rehearse a TPU program.
 
@@ -164,7 +167,15 @@ class XlaRuntime:
     measures_step_memory = False
 
     def notes(self, compiled: bool) -> list[str]:
-        return []  # float32 stays float32 on torch_xla unless XLA_USE_BF16 (the doctor names it)
+        # The tutorials' bf16 switches, still honoured by torch_xla 2.9's runtime: the run's
+        # "precision 32" would be untrue, and nothing else shows it (dtype reads float32).
+        on = [n for n in BF16_SWITCHES if os.environ.get(n, "").strip().lower() not in ("", "0", "false", "no", "off")]
+        if not on:
+            return []
+        return [f"{on[0]}={os.environ[on[0]]} is set: torch_xla stores every float32 tensor as bfloat16 on the "
+                "device (weights, optimizer state and loss sums included) while its dtype still reads float32, "
+                "so this run trains in bfloat16 whatever its precision says; unset it and use precision='bf16' "
+                "(autocast: bfloat16 matmuls and convolutions, float32 weights and sums)"]
 
     def __init__(
         self, devices: int | None = None, spmd: bool = True, require_tpu: bool = False, compile_cache: bool = True
