@@ -92,6 +92,22 @@ def test_processes_whose_batches_are_padded_to_different_lengths_give_every_row_
     assert out["predicted_shape"] == [20, 12, 3] and out["predict_error"] < 1e-5 and out["padded_with_-100"]
 
 
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_metric_object_of_the_users_own_sees_every_processs_rows(tmp_path, strategy):
+    """A running-mean meter with no torch.distributed in it, monitored with early stopping: each
+    process computed it on its own rows, so rank 0 stopped while rank 1 went on (DDP hung in the
+    next collective, FSDP aborted in gloo). Every process now feeds it every process's real rows."""
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    run_command([torchrun, "--nproc-per-node", "2", "--master-port", "0", "--standalone",
+                 str(SCRIPTS / "streaming_agree.py"), str(tmp_path), strategy], timeout=240)
+    ranks = [json.loads((tmp_path / f"streaming-{rank}.json").read_text()) for rank in (0, 1)]
+    assert ranks[0] == ranks[1]
+    assert ranks[0]["rows"] == 37  # every validation row once, the padding left out
+    assert ranks[0]["ce"] == pytest.approx(ranks[0]["hand"], rel=1e-5)
+    assert ranks[0]["epochs"] == 3  # early stopping decided alike on both
+
+
 @pytest.mark.xla
 @pytest.mark.parametrize("task", ["classification", "multilabel"])
 def test_xla_compilations_do_not_grow_after_the_first_epoch(tmp_path, task):

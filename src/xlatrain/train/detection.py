@@ -34,6 +34,8 @@ class DetectionMAP:
         {'map50': 1.0}
     """
 
+    combines_processes = True  # compute() gathers every process's matches (_merged)
+
     def __init__(self, iou_threshold: float = 0.5) -> None:
         if not 0.0 < iou_threshold <= 1.0:
             raise ValueError(f"iou_threshold={iou_threshold!r} is not valid: give an IoU in (0, 1], e.g. 0.5")

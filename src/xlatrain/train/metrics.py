@@ -98,19 +98,9 @@ class RowCollector:
 
     def add(self, tree: Any) -> None:
         leaves, self._spec = tree_flatten(tree)
-        leaves = [t.detach() for t in leaves]
-        # Each process may have padded its sequences to its own longest, and a gather needs one
-        # size: where the processes' sizes differ, every process pads as padded_cat pads.
-        sizes = [n for t in leaves for n in t.shape[1:]]
-        most = self._strategy.host_max(sizes + [-n for n in sizes])
-        widest, narrowest = iter(most[:len(sizes)]), iter(most[len(sizes):])
-        for i, t in enumerate(leaves):
-            w, n = [next(widest) for _ in t.shape[1:]], [-next(narrowest) for _ in t.shape[1:]]
-            if w != n:
-                leaves[i] = pad_to(t, w)
         slot: list[torch.Tensor] = []
         self._host.append(slot)
-        self._runtime.defer(lambda *ts: slot.extend(ts), [self._strategy.all_gather(t) for t in leaves])
+        self._runtime.defer(lambda *ts: slot.extend(ts), gathered(self._strategy, leaves))
 
     def result(self) -> Any:
         self._runtime.read([])  # run any deferred copies still in flight
@@ -126,6 +116,30 @@ class RowCollector:
             out[order[real]] = col[real]
             columns.append(out)
         return tree_unflatten(columns, self._spec)
+
+
+def gathered(strategy: Strategy, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor's rows from every process, joined along dim 0 in process order. Each process
+    may have padded its sequences to its own longest, and a gather needs one size: where the
+    processes' sizes differ, every process pads as :func:`padded_cat` pads (the sizes are compared
+    on the host, with no device read)."""
+    leaves = [t.detach() for t in leaves]
+    sizes = [n for t in leaves for n in t.shape[1:]]
+    most = strategy.host_max(sizes + [-n for n in sizes])
+    widest, narrowest = iter(most[:len(sizes)]), iter(most[len(sizes):])
+    for i, t in enumerate(leaves):
+        w, n = [next(widest) for _ in t.shape[1:]], [-next(narrowest) for _ in t.shape[1:]]
+        if w != n:
+            leaves[i] = pad_to(t, w)
+    return [strategy.all_gather(t) for t in leaves]
+
+
+def combines_processes(metric: Any) -> bool:
+    """Whether a streaming metric joins what every process saw by itself at ``compute()``:
+    torchmetrics' metrics do (their ``sync``), as does an object that says so with
+    ``combines_processes = True`` (xlatrain's :class:`DetectionMAP`). Any other is fed every
+    process's rows."""
+    return callable(getattr(metric, "sync", None)) or getattr(metric, "combines_processes", False) is True
 
 
 # What fills the positions a batch did not have where batches of different widths are joined
@@ -215,6 +229,12 @@ class EvalAccumulator:
         self.top_correct = [torch.zeros((), device=device) for _ in self.top_k]
         # torchmetrics' metrics sync themselves over torch.distributed at compute().
         self.streaming = metrics_fn if is_streaming(metrics_fn) else None
+        # One that does not join processes itself is fed every process's real rows of each batch,
+        # so that every process computes the same value (and decides alike on best and stopping).
+        self._feed_all = self.streaming is not None and layout.num_processes > 1 and not combines_processes(self.streaming)
+        self._every_count = [layout.valid_counts(p) for p in range(layout.num_processes)] if self._feed_all else []
+        self._strategy = strategy
+        self._batches = 0
         keep_rows = (metrics_fn is not None and self.streaming is None) or task == "multilabel" or (
             loss is not None and loss.mode == "whole_set")
         self.rows = RowCollector(runtime, strategy, layout) if keep_rows else None
@@ -257,12 +277,33 @@ class EvalAccumulator:
                 for i, k in enumerate(self.top_k):
                     hits = top_BK[:, :k].any(dim=1) & valid_B
                     self.top_correct[i] = self.top_correct[i] + hits.sum().to(self.correct.dtype)
-        if self.streaming is not None and real > 0:
+        if self._feed_all:
+            self._update_from_every_process(predictions, targets, rows)
+        elif self.streaming is not None and real > 0:
             self.streaming.update(first_rows(predictions, real, rows), first_rows(targets, real, rows))
+        self._batches += 1
         if self.rows is not None:
             whole_set = self.loss is not None and self.loss.mode == "whole_set"
             kept = without_caches(self.io.field(as_float(outputs))) if whole_set else predictions
             self.rows.add(pad_rows((kept, targets), rows, self.full_rows))
+
+    def _update_from_every_process(self, predictions: Any, targets: Any, rows: int) -> None:
+        leaves, spec = tree_flatten(pad_rows((predictions, targets), rows, self.full_rows))
+        if not all(isinstance(t, torch.Tensor) for t in leaves):
+            raise TypeError(
+                f"metrics_fn {self.streaming!r} is a metric object fed batch by batch on {self.layout.num_processes} "
+                "processes, and its predictions or targets are not all tensors, so the Trainer cannot gather "
+                "them: each process would compute it on its own rows and the processes would disagree. Give it "
+                "combines_processes = True and join the processes in its compute() (torch.distributed."
+                "all_gather_object), as torchmetrics' metrics and xlatrain.DetectionMAP do"
+            )
+        every = gathered(self._strategy, leaves)
+        # Batch k arrives as [process 0's rows, process 1's rows, ...]; each process's real ones first.
+        real = [counts[self._batches] for counts in self._every_count]
+        keep = torch.cat([torch.arange(p * self.full_rows, p * self.full_rows + n) for p, n in enumerate(real)])
+        if len(keep):
+            preds, targs = tree_unflatten([t[keep.to(t.device)] for t in every], spec)
+            self.streaming.update(preds, targs)
 
     def compute(
         self,
