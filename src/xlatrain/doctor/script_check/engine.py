@@ -410,6 +410,20 @@ class Engine:
                 if isinstance(fn_node, _FUNCS) and (fn_node.decorator_list or self.enclosing_class(fn_node)):
                     self._sites[fn_node].escapes = True  # decorated, or a method others may call
         return self._sites[fn]
+    def callees(self, call: ast.Call) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
+        """The functions of the file ``call`` certainly calls: a name bound only to plain (undecorated)
+        defs, or ``self.method``; none where the code does not settle it."""
+        func = call.func
+        fns: list[ast.AST] = []
+        if isinstance(func, ast.Name):
+            res = self.resolve(func)
+            if not res.complete or not all(b.kind == "def" for b in res.bindings):
+                return []
+            fns = [b.value for b in res.bindings if b.value is not None]
+        elif isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "self":
+            method = self.method(self.enclosing_class(self.enclosing_function(call)), func.attr)
+            fns = [method] if method is not None else []
+        return [f for f in fns if isinstance(f, _FUNCS) and not f.decorator_list]  # type: ignore[misc]
     def method(self, cls: ast.ClassDef | None, name: str) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
         if cls is None:
             return None
@@ -1043,6 +1057,8 @@ class Engine:
         self.check_unsharded_loaders(calls)
         self.check_padding_collates(calls)
         self.check_reads_on_one_process()
+        self.check_collectives_on_one_process()
+        self.check_unreduced_gradients()
         order = {s: i for i, s in enumerate(SEVERITIES)}
         return tuple(sorted(self.findings.values(), key=lambda f: (f.line, f.col, order[f.severity], f.code)))
     def read_classes(self) -> None:

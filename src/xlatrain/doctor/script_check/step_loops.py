@@ -109,6 +109,12 @@ class StepLoopRules:
                 owner[node] = (loop, certainty)  # ast.walk is breadth first: inner loops win
         for node, (loop, certainty) in owner.items():
             self.check_in_step(node, loop, certainty)
+        # a function of the file the loop calls runs once per batch too (two levels down); each
+        # function is reported once per loop, from its first call there that runs every step
+        checked: dict[ast.AST, set[ast.AST]] = {}
+        calls = [(n, lc) for n, lc in owner.items() if isinstance(n, ast.Call)]
+        for node, (loop, certainty) in sorted(calls, key=lambda c: self.every_n(c[0], c[1][0]) is not None):
+            self.check_helpers_in_step(node, node, loop, certainty, 2, checked.setdefault(loop, set()), owner)
         if self.uses_xla and not self.uses_lightning:
             self.check_step_boundary(loops)
     def printed(self, node: ast.AST, test: Any) -> bool:
@@ -128,25 +134,54 @@ class StepLoopRules:
         if isinstance(node, (ast.Tuple, ast.List)):
             return any(self.printed(e, test) for e in node.elts)
         return False
-    def check_in_step(self, node: ast.AST, loop: ast.AST, certainty: str) -> None:
+    def check_helpers_in_step(self, call: ast.Call, site: ast.Call, loop: ast.AST, certainty: str, depth: int,
+                              seen: set[ast.AST], owner: dict[ast.AST, tuple[ast.AST, str]]) -> None:
+        """The step checks on the body of each function of the file ``call`` certainly calls
+        (``site`` is the call in the loop that leads there)."""
+        if depth <= 0:
+            return
+        for fn in self.callees(call):
+            if fn in seen:
+                continue
+            seen.add(fn)
+            for node in _walk(fn.body):
+                if node not in owner:  # a loop of its own inside the function is checked as one
+                    self.check_in_step(node, loop, certainty, (fn, site))
+                if isinstance(node, ast.Call):
+                    self.check_helpers_in_step(node, site, loop, certainty, depth - 1, seen, owner)
+    def check_in_step(self, node: ast.AST, loop: ast.AST, certainty: str,
+                      via: tuple[ast.AST, ast.Call] | None = None) -> None:
+        """``via``: (the function of the file holding ``node``, the call in ``loop`` that reaches it)."""
+        if not isinstance(node, (ast.Call, ast.If, ast.While, ast.IfExp, ast.Assert)):
+            return
         sync_fix = (
             "keep per-step values on the device (sum the loss into a tensor) and read them once per "
             "epoch or every N steps through xm.add_step_closure; xlatrain's Trainer does this and "
             "reads the host only every log_every steps"
         )
-        every = self.every_n(node, loop)
+        if via is None:
+            every = self.every_n(node, loop)
+            place = "inside a per-batch loop"
+        else:
+            fn, site = via
+            every = self.every_n(site, loop) or self.every_n(node, fn)
+            place = (f"in {fn.name}() (line {node.lineno}), which the per-batch loop calls every step "  # type: ignore[attr-defined]
+                     f"(line {site.lineno})")
 
         def certain(subject: str) -> tuple[str, str]:
             if certainty == "step" and every is None:
-                return "warning", f"{subject} inside a per-batch loop"
+                return "warning", f"{subject} {place}"
             if certainty == "step":
                 # still mid-step: each read stops the host until the device has computed the value
-                return "warning", f"{subject} every few steps (under `if {every}`)"
-            return "info", f"{subject} inside a loop that looks per-batch (if it runs once per batch)"
+                at = "" if via is None else f" {place.replace(' every step', '')}"
+                return "warning", f"{subject}{at} every few steps (under `if {every}`)"
+            if via is None:
+                return "info", f"{subject} inside a loop that looks per-batch (if it runs once per batch)"
+            return "info", f"{subject} {place.replace('per-batch loop', 'loop that looks per-batch')} (if it runs once per batch)"
 
         def unsure(subject: str, value: ast.AST) -> str:
             return (
-                f"{subject} inside a per-batch loop, on {ast.unparse(value)}, which the code does not "
+                f"{subject} {place}, on {ast.unparse(value)}, which the code does not "
                 "show to be on the XLA device: if it is there"
             )
 
@@ -185,7 +220,7 @@ class StepLoopRules:
                         node,
                         "print-tensor",
                         "info",
-                        f"{ast.unparse(func)}() of a tensor inside a per-batch loop: if it is on the "
+                        f"{ast.unparse(func)}() of a tensor {place}: if it is on the "
                         f"XLA device, {what}",
                         sync_fix,
                     )
