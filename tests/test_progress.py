@@ -116,7 +116,8 @@ def test_interactive_only_on_the_main_process_in_a_terminal() -> None:
 def _shown(progress: EpochProgress, meter: IntervalMeter, step: int, loss_sum: float, nonfinite: float = 0):
     """One log interval as the Trainer's progress observer shows it: measured, then shown."""
     stats = meter.measure(step, loss_sum=loss_sum, nonfinite=nonfinite)
-    progress.show(step, epoch_loss=stats.epoch_loss, samples_per_s=stats.samples_per_s, nonfinite=stats.nonfinite)
+    progress.show(step, epoch_loss=stats.epoch_loss, samples_per_s=stats.samples_per_s, nonfinite=stats.nonfinite,
+                  nonfinite_over=stats.nonfinite_over)
     return stats
 
 
@@ -164,6 +165,9 @@ def test_non_finite_steps_are_named_in_the_line() -> None:
     progress = EpochProgress(1, 40, 0, interactive=False, log=lines.append)
     assert _shown(progress, IntervalMeter(0, samples_per_step=8), 10, 5.0, nonfinite=3.0).nonfinite == 3
     assert lines[0].endswith("samples/s  (3 non-finite steps)")
+    # Two processes whose losses were both NaN at the same 2 steps: 4 losses, not 4 steps of 10.
+    assert _shown(progress, IntervalMeter(0, samples_per_step=8, processes=2), 20, 5.0, nonfinite=2.0).nonfinite == 4
+    assert lines[1].endswith("samples/s  (4 non-finite losses over 2 processes)")
 
 
 def _read_until(fd: int, marker: bytes) -> bytes:

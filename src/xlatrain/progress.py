@@ -67,6 +67,8 @@ class IntervalStats:
     interval_loss: float  # mean training loss over the steps since the previous read
     samples_per_s: float | None  # samples since the previous read over the time since then; None in warm-up
     nonfinite: int  # steps of this epoch so far with a NaN/Inf loss or gradient norm (skip_step: steps skipped)
+    # 1, or the processes whose non-finite losses ``nonfinite`` sums (each process's at each step)
+    nonfinite_over: int = 1
 
 
 class IntervalMeter:
@@ -114,7 +116,7 @@ class IntervalMeter:
         interval_loss = mean(loss_sum - self._last_sum, done, nonfinite - self._last_bad) \
             if self._last_sum is not None and done > 0 else epoch_loss
         self._last_step, self._last_sum, self._last_time, self._last_bad = step, loss_sum, now, nonfinite
-        return IntervalStats(step, epoch_loss, interval_loss, rate, round(nonfinite * self._processes))
+        return IntervalStats(step, epoch_loss, interval_loss, rate, round(nonfinite * self._processes), self._processes)
 
 
 class EpochProgress:
@@ -192,9 +194,12 @@ class EpochProgress:
             if step >= self.num_steps:
                 self._bar.refresh()  # update() draws at most every 0.1 s and may skip it
 
-    def show(self, step: int, *, epoch_loss: float, samples_per_s: float | None, nonfinite: int) -> None:
-        """Show one measured interval: a line, or the bar's figures (no rate for a warm-up interval)."""
-        note = f"  ({nonfinite} non-finite steps)" if nonfinite > 0 else ""
+    def show(self, step: int, *, epoch_loss: float, samples_per_s: float | None, nonfinite: int,
+             nonfinite_over: int = 1) -> None:
+        """Show one measured interval: a line, or the bar's figures (no rate for a warm-up interval).
+        ``nonfinite_over`` > 1: ``nonfinite`` counts the non-finite losses of that many processes."""
+        note = "" if nonfinite <= 0 else f"  ({nonfinite} non-finite steps)" if nonfinite_over == 1 else \
+            f"  ({nonfinite} non-finite losses over {nonfinite_over} processes)"
         if samples_per_s is None:
             rate_text = "warm-up (no rate: the first steps, compilations included, are timed apart)"
         else:

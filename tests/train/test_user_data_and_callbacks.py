@@ -518,6 +518,25 @@ def test_skip_step_skips_on_every_process_when_one_finds_its_loss_non_finite(tmp
     assert ranks[0]["row"]["nonfinite_steps"] == accum  # one optimizer step: its micro-batches, once
     assert ranks[0]["row"]["train_loss"] == ranks[1]["row"]["train_loss"] < float("inf")
 
+
+@pytest.mark.multiprocess
+def test_a_stop_on_several_processes_counts_losses_not_steps(tmp_path):
+    """nan_policy='stop' with rank 1's loss NaN at one step: each process's count is summed, so
+    the error says how many losses over how many processes, where it said '2 step(s)' for the
+    same step seen by two processes, more steps than the range could hold."""
+    import shutil
+    import sys
+    from pathlib import Path
+
+    from conftest import SCRIPTS, run_command
+
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    run_command([torchrun, "--nproc-per-node", "2", "--master-port", "0", "--standalone",
+                 str(SCRIPTS / "skip_agree.py"), str(tmp_path), "1", "stop"], timeout=300)
+    messages = [(tmp_path / f"stop-{rank}.txt").read_text() for rank in (0, 1)]
+    assert messages[0] == messages[1]
+    assert "NaN/Inf 1 time(s) over 2 processes (each process's loss at each step counted)" in messages[0], messages[0]
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_every_process_makes_the_same_host_reads(tmp_path, strategy):

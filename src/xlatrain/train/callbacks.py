@@ -9,7 +9,9 @@ skipped; no base class is needed):
   say) is made again after a resume;
 - ``on_interval(trainer, values)``: every ``log_every`` steps and at each epoch's last step, with
   the interval's figures (``epoch``, ``step``, ``global_step``, ``loss`` (the interval's mean),
-  ``epoch_loss`` (the epoch's mean so far), ``nonfinite_steps``, ``lr`` (the rate the interval's
+  ``epoch_loss`` (the epoch's mean so far), ``nonfinite_steps`` (on several processes, unless
+  ``nan_policy='skip_step'``: the non-finite losses of the ``nonfinite_over`` processes summed, each
+  process's at each step), ``lr`` (the rate the interval's
   last step used), ``samples_per_s`` and, where counted, ``tokens_per_s`` and ``mfu``) as Python
   numbers: the figures the progress line and TensorBoard show, which are observers of the same
   points (:mod:`xlatrain.train.observers`). ``samples_per_s`` is ``None`` for an interval that holds

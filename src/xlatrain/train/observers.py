@@ -104,7 +104,8 @@ class ProgressObserver:
         if self._progress is not None and self._progress.epoch == values["epoch"] \
                 and values["step"] < self._progress.num_steps:
             self._progress.show(values["step"], epoch_loss=values["epoch_loss"],
-                                samples_per_s=values["samples_per_s"], nonfinite=values["nonfinite_steps"])
+                                samples_per_s=values["samples_per_s"], nonfinite=values["nonfinite_steps"],
+                                nonfinite_over=values.get("nonfinite_over", 1))
 
     def on_steps_stop(self) -> None:
         if self._progress is not None:

@@ -334,14 +334,18 @@ class NonFiniteLossError(FloatingPointError):
     """The loss or gradient norm became NaN/Inf under ``nan_policy="stop"``."""
 
 
-def nonfinite_error(precision: str, epoch: int, first: int, last: int, count: int, run_dir: Path) -> NonFiniteLossError:
-    """What stops a run whose loss went NaN/Inf in ``count`` steps between ``first`` and ``last``."""
+def nonfinite_error(precision: str, epoch: int, first: int, last: int, count: int, run_dir: Path,
+                    processes: int = 1) -> NonFiniteLossError:
+    """What stops a run whose loss went NaN/Inf in ``count`` steps between ``first`` and ``last``
+    (on ``processes`` processes: ``count`` losses, each process's at each step counted)."""
     latest = latest_name(run_dir / "checkpoints")
+    times = f"in {count} step(s)" if processes == 1 else \
+        f"{count} time(s) over {processes} processes (each process's loss at each step counted)"
     if precision == "fp16":
         # Under fp16 the gradient scaler guards the backward pass; a non-finite loss comes from the
         # forward pass: float16 overflowing, or inputs that hold NaN/Inf (the code cannot tell which).
         return NonFiniteLossError(
-            f"the loss was NaN/Inf in {count} step(s) between steps {first} and {last} of epoch {epoch} under "
+            f"the loss was NaN/Inf {times} between steps {first} and {last} of epoch {epoch} under "
             "precision='fp16': the forward pass made it, for example by overflowing float16 (its largest value is "
             "65504; the gradient scaler guards only the backward), from inputs that hold NaN/Inf, or in the loss "
             "itself (a batch whose targets are all ignore_index, a ratio with no epsilon). Check the inputs; "
@@ -350,7 +354,7 @@ def nonfinite_error(precision: str, epoch: int, first: int, last: int, count: in
             f"the last good checkpoint was saved (latest: {latest or 'none'})."
         )
     return NonFiniteLossError(
-        f"the loss or gradient norm was NaN/Inf in {count} step(s) between steps {first} and "
+        f"the loss or gradient norm was NaN/Inf {times} between steps {first} and "
         f"{last} of epoch {epoch}; nothing after the last good checkpoint was saved "
         f"(latest: {latest or 'none'}). Lower the learning rate, set clip_grad_norm, check the "
         "inputs, or set nan_policy='skip_step'."

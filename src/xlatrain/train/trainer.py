@@ -816,7 +816,7 @@ class Trainer:
             figures = self.throughput.figures(rate) if self.throughput is not None and rate is not None else {}
             self._observers.call("on_interval", self, {
                 "epoch": epoch, "step": step, "global_step": tb_step, "loss": stats.interval_loss,
-                "epoch_loss": stats.epoch_loss, "nonfinite_steps": stats.nonfinite,
+                "epoch_loss": stats.epoch_loss, "nonfinite_steps": stats.nonfinite, "nonfinite_over": stats.nonfinite_over,
                 "lr": float(lr) if lr is not None else None, "samples_per_s": stats.samples_per_s, **figures,
             })
 
@@ -829,7 +829,8 @@ class Trainer:
             self._fail_nonfinite()
 
     def _fail_nonfinite(self) -> None:
-        raise nonfinite_error(self.config.precision, *(self._nonfinite or (0, 0, 0, 0)), self.run_dir)
+        raise nonfinite_error(self.config.precision, *(self._nonfinite or (0, 0, 0, 0)), self.run_dir,
+                              processes=self.strategy.counting_processes)
 
     def _patience_spent(self, cursor: Cursor) -> bool:
         """Early stopping: the monitored value has not improved for ``early_stop_patience`` epochs."""
