@@ -440,7 +440,8 @@ def find_resumable(
             errors = [e for e in group.gather_objects(error) if e is not None]
             error = errors[0] if errors else None
         if error is not None:
-            log.warning(f"skipping {error}; trying the previous checkpoint")
+            if not many or group.is_main:  # every process knows it: said once
+                log.warning(f"skipping {error}; trying the previous checkpoint")
             if failures is not None:
                 failures.append(error)
             continue

@@ -99,8 +99,9 @@ def test_a_metric_object_of_the_users_own_sees_every_processs_rows(tmp_path, str
     process computed it on its own rows, so rank 0 stopped while rank 1 went on (DDP hung in the
     next collective, FSDP aborted in gloo). Every process now feeds it every process's real rows."""
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
-    run_command([torchrun, "--nproc-per-node", "2", "--master-port", "0", "--standalone",
-                 str(SCRIPTS / "streaming_agree.py"), str(tmp_path), strategy], timeout=240)
+    proc = run_command([torchrun, "--nproc-per-node", "2", "--master-port", "0", "--standalone",
+                        str(SCRIPTS / "streaming_agree.py"), str(tmp_path), strategy], timeout=240)
+    assert (proc.stdout + proc.stderr).count("'counts' is a int64 tensor of shape (2, 2)") == 1  # said once
     ranks = [json.loads((tmp_path / f"streaming-{rank}.json").read_text()) for rank in (0, 1)]
     assert ranks[0] == ranks[1]
     assert ranks[0]["rows"] == 37  # every validation row once, the padding left out

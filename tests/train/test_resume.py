@@ -215,9 +215,36 @@ def test_damaged_or_incomplete_checkpoints_are_skipped_with_a_named_warning(tmp_
         path, _, _ = find_resumable(root)
     assert path == previous
     assert f"{newest.name}: state.safetensors does not match its checksum" in caplog.text
+    # Every process of a job finds the same damage and takes the same decision; the main process
+    # alone says it (each process said it under torchrun).
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="xlatrain"):
+        path, _, _ = find_resumable(root, group=_SecondOfTwo(root))
+    assert path == previous and "does not match its checksum" not in caplog.text
     (previous / "meta.json").unlink()
     with pytest.raises(CheckpointError, match="meta.json is missing"):
         read_checkpoint(previous)
+
+
+class _SecondOfTwo:
+    """The second process of a two-process job, in one process: its host gathers give what both
+    processes hold, the main process's list of checkpoints first (both read the same directory)."""
+
+    process_index, num_processes, is_main = 1, 2, False
+
+    def __init__(self, root):
+        self._listed = [p.name for p in reversed(list_checkpoints(root))]
+        self._gathers = 0
+
+    def gather_objects(self, obj):
+        self._gathers += 1
+        return [self._listed if self._gathers == 1 else obj, obj]  # the first: the main process's list
+
+    def barrier(self):
+        pass
+
+    def any_process(self, flag):
+        return flag
 
 
 def _tiny_trainer(run_dir, loss_fn=None, callbacks=(), checkpoint=True, scheduler_fn=None, **cfg):

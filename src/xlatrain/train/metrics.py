@@ -330,7 +330,7 @@ class EvalAccumulator:
             found = self.streaming.compute()
             if hasattr(self.streaming, "reset"):
                 self.streaming.reset()
-            out.update(_metric_values(self.streaming, found))
+            out.update(_metric_values(self.streaming, found, say=strategy.is_main))
         if self.rows is not None:
             outputs, targets = self.rows.result()
             if self.loss is not None and self.loss.mode == "whole_set":
@@ -370,12 +370,13 @@ def metric_numbers(metrics_fn: Any, found: Mapping[Any, Any]) -> dict[str, float
     return out
 
 
-def _metric_values(metric: Any, found: Any) -> dict[str, float]:
+def _metric_values(metric: Any, found: Any, say: bool = True) -> dict[str, float]:
     """A streaming metric's result as history columns: a mapping's numbers by name, a single
     number under the metric's class name in snake case. A float vector (a per-class figure, as
     torchmetrics gives with ``average=None``) becomes one column per element, named by the class
     ids where the result lists them under ``classes`` (as ``MeanAveragePrecision`` does), else by
-    position; what is no figure (class ids, a confusion matrix) is said once and left out."""
+    position; what is no figure (class ids, a confusion matrix) is left out, and said once (where
+    ``say``: the main process)."""
     name = "".join(f"_{c.lower()}" if c.isupper() else c for c in type(metric).__name__).lstrip("_")
     items = list(found.items()) if isinstance(found, Mapping) else [(name, found)]
     classes = dict(items).get("classes")
@@ -389,7 +390,7 @@ def _metric_values(metric: Any, found: Any) -> dict[str, float]:
             if value.dim() == 1 and value.numel() and value.is_floating_point():
                 labels = ids if ids is not None and len(ids) == value.numel() else range(value.numel())
                 out.update({f"{key}_{label}": float(v) for label, v in zip(labels, value.tolist())})
-            elif (type(metric).__name__, key) not in _SAID_LEFT_OUT:
+            elif say and (type(metric).__name__, key) not in _SAID_LEFT_OUT:
                 _SAID_LEFT_OUT.add((type(metric).__name__, key))
                 log.warning("%s's %r is a %s tensor of shape %s, which is no history column: left out (a figure "
                             "is one number, or a float vector of one per class)", type(metric).__name__, key,
@@ -399,7 +400,7 @@ def _metric_values(metric: Any, found: Any) -> dict[str, float]:
     return out
 
 
-_SAID_LEFT_OUT: set[tuple[str, str]] = set()  # streaming results said once per process as left out
+_SAID_LEFT_OUT: set[tuple[str, str]] = set()  # streaming results said as left out (on the main process)
 
 
 def trim_rows(batch: Any, rows: int, full: int) -> Any:
