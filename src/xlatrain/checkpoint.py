@@ -112,7 +112,10 @@ def write_weights(path: str | os.PathLike[str], tensors: dict[str, torch.Tensor]
 
 
 def load_weights(module: torch.nn.Module, path: str | os.PathLike[str], strict: bool = True) -> None:
-    """Load weights saved by :func:`save_weights` into ``module`` (in place, ties preserved)."""
+    """Load weights saved by :func:`save_weights` into ``module`` (in place, ties preserved).
+
+    A model the Trainer sharded (``strategy="fsdp"``) takes them too: every process reads the
+    whole file and keeps its own shards."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no weights file at {path}")
@@ -124,7 +127,9 @@ def load_weights(module: torch.nn.Module, path: str | os.PathLike[str], strict: 
         raise ValueError(f"{path} is not a readable safetensors file ({exc}); it may be truncated") from exc
     for alias, kept in with_meta.items():
         tensors[alias] = tensors[kept]
-    module.load_state_dict(tensors, strict=strict)
+    from xlatrain.backend.model_state import load_whole_weights
+
+    load_whole_weights(module, tensors, strict)
 
 
 def _read_metadata(raw: bytes) -> dict[str, str]:

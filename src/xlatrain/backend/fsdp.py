@@ -69,15 +69,18 @@ class FSDP(EagerStrategy):
         for unit in units:  # find_units returns no unit inside another
             fully_shard(unit, mesh=self.mesh, mp_policy=policy)
         fully_shard(model, mesh=self.mesh, mp_policy=policy)
+        # Run as FSDP runs its own hooks under torch.compile: eagerly, outside the compiled graph.
+        model.register_forward_hook(torch._dynamo.disable(_reshard_without_backward))
         if on_meta:
             # Each process gives storage to, and initialises, only its own shards.
             model_state.materialize(model, self._device, init_weights)
         return model
 
     def gathered_bytes(self, model: torch.nn.Module, precision: Precision) -> int:
-        # The root keeps its own weights gathered for the whole step (fully_shard does not reshard
-        # the root after forward); a unit's are gathered for its forward and its backward, the
-        # next one's prefetched meanwhile. Gathered in the precision's parameter dtype.
+        # The root keeps its own weights gathered for the whole training step (fully_shard does not
+        # reshard the root after a forward that a backward follows); a unit's are gathered for its
+        # forward and its backward, the next one's prefetched meanwhile. Gathered in the
+        # precision's parameter dtype.
         module, dtype = self.unwrap(model), precision.param_dtype
         per_unit = [model_state.weight_bytes(u, dtype) for u in self.unit_modules]
         return model_state.weight_bytes(module, dtype) - sum(per_unit) + 2 * max(per_unit, default=0)
@@ -121,6 +124,20 @@ class FSDP(EagerStrategy):
         self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any]
     ) -> None:
         model_state.load_dcp(path, self.unwrap(model), optimizer, extra, no_dist=False)
+
+
+def _reshard_without_backward(model: torch.nn.Module, args: Any, output: Any) -> None:
+    """Free the root's gathered weights after a forward that no backward follows.
+
+    fully_shard keeps the root's weights gathered after its forward, for the backward that uses
+    them next, and the backward frees them. A forward without gradients (evaluation, prediction,
+    ema_bn_batches' statistics) has no backward: they stayed gathered, and the next forward used
+    that copy, not the parameters as written since (the EMA swapped in or out, weights loaded,
+    the user's own in-place edits). Resharded here, each such forward gathers the root again, as
+    it does every unit (the units reshard after each forward anyway).
+    """
+    if not torch.is_grad_enabled():
+        model.reshard()  # type: ignore[operator]
 
 
 @contextlib.contextmanager

@@ -455,6 +455,50 @@ def load_dcp(
                    optim_state_dict={"state": state, "param_groups": extra["param_groups"]})
 
 
+def sharded_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """``module`` and its submodules that ``fully_shard`` made FSDP modules (none elsewhere)."""
+    if not torch.distributed.is_available():
+        return []
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+def _whole_in_name_order(fsdp: list[torch.nn.Module], weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``weights`` as ``set_state_dict(full_state_dict=True)`` needs them in a sharded model.
+
+    Each FSDP module is resharded first: one that a forward left gathered (the root, after a
+    forward that no backward followed) holds the gathered copy in place of its parameters, and
+    set_state_dict would take that copy for a whole tensor. set_state_dict then sends each tensor
+    out in the order of the mapping (distribute_tensor scatters it from the main process), so
+    every process must walk it alike; a safetensors file comes back in a different key order in
+    each process (its header is read into a hash map), hence the sorting."""
+    for m in fsdp:
+        m.reshard()  # type: ignore[operator]
+    return {name: weights[name] for name in sorted(weights)}
+
+
+def load_whole_weights(module: torch.nn.Module, weights: dict[str, torch.Tensor], strict: bool = True) -> None:
+    """Whole weights (by name, every process holding all of them) into ``module`` as it is spread
+    now: a sharded (FSDP) model keeps each process's shards, and its next forward gathers them.
+    ``strict`` as in ``load_state_dict``."""
+    fsdp = sharded_modules(module)
+    if not fsdp:
+        module.load_state_dict(weights, strict=strict)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if strict:
+        # set_state_dict fills a name the mapping lacks with the model's own tensor, so it would
+        # not say what is missing: load_state_dict's error, said here.
+        missing = [name for name in module.state_dict() if name not in weights]
+        if missing:
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(module).__name__}:\n\t"
+                               f"Missing key(s) in state_dict: {', '.join(repr(n) for n in missing)}.")
+    set_model_state_dict(module, _whole_in_name_order(fsdp, weights),
+                         options=StateDictOptions(full_state_dict=True, strict=strict))
+
+
 def load_whole_sharded(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, weights: dict[str, torch.Tensor], optim_state: dict[str, Any]
 ) -> None:
@@ -464,10 +508,8 @@ def load_whole_sharded(
 
     name_of = {id(p): n for n, p in model.named_parameters(remove_duplicate=True)}
     order = [name_of[id(p)] for g in optimizer.param_groups for p in g["params"]]
-    # set_state_dict sends each tensor from the main process in the order of these mappings, so
-    # every process must walk them alike; a safetensors file comes back in a different key order
-    # in each process (its header is read into a hash map), hence the sorting.
-    weights = {name: weights[name] for name in sorted(weights)}
+    weights = _whole_in_name_order(sharded_modules(model), weights)
+    # The optimizer's state is sent out as the weights are (see _whole_in_name_order).
     state = {order[int(i)]: dict(sorted(values.items())) for i, values in
              sorted(optim_state["state"].items(), key=lambda item: int(item[0]))}
     groups = [{**g, "params": [order[int(i)] for i in g["params"]]} for g in optim_state["param_groups"]]
