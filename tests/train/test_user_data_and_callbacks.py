@@ -254,6 +254,38 @@ def test_progress_tensorboard_and_callbacks_show_the_same_interval_figures(tmp_p
     assert points == [(v["global_step"], pytest.approx(v["loss"], rel=1e-6)) for v in intervals]
 
 
+class _FailsFromEpoch:
+    """A dataset whose items raise once epoch ``epoch`` starts (a callback tells it), at its
+    ``after``-th item of that epoch."""
+
+    def __init__(self, data, epoch, after):
+        self.data, self.epoch, self.after, self.now, self.read = data, epoch, after, 0, 0
+
+    def on_epoch_start(self, trainer, epoch):
+        self.now, self.read = epoch, 0
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, index):
+        if self.now == self.epoch:
+            self.read += 1
+            if self.read > self.after:
+                raise KeyError(f"scan_{index:04d}.png")
+        return self.data[index]
+
+
+def test_an_item_that_fails_in_training_says_its_epoch_and_step(tmp_path):
+    # runs.md: an error raised in the dataset adds which sample, batch, epoch and step
+    data = _FailsFromEpoch(_data(), epoch=2, after=2 * BATCH)  # the third batch of epoch 2
+    trainer = _trainer(tmp_path, callbacks=[data])
+    with pytest.raises(KeyError) as caught:
+        trainer.fit(data)
+    notes = "\n".join(getattr(caught.value, "__notes__", []))
+    assert "raised while loading the training batch of epoch 2 step 3" in notes, notes
+    assert "raised by _FailsFromEpoch.__getitem__(" in notes, notes
+
+
 def test_a_callback_without_any_hook_is_refused_at_once(tmp_path):
     with pytest.raises(TypeError, match="has none of the methods on_fit_start"):
         _trainer(tmp_path, callbacks=[object()])

@@ -324,7 +324,24 @@ class TrainFeed:
             host = self.dataset.train_batches(
                 epoch=epoch, start_step=start_step, seed=self._seed, step_multiple=self._step_multiple, **self._layout
             )
-        return self._runtime.wrap_loader(host, self._sharding)
+        return _loaded_for(self._runtime.wrap_loader(host, self._sharding), epoch, start_step + 1)
+
+
+def _loaded_for(batches: Iterable[Any], epoch: int, first_step: int) -> Iterator[Any]:
+    """``batches``, where one that fails to load says which epoch and step it was for (the
+    dataset's own note names the sample and the ``__getitem__`` it came from)."""
+    it, step = iter(batches), first_step
+    while True:
+        try:
+            batch = next(it)
+        except StopIteration:
+            return
+        except Exception as exc:
+            if hasattr(exc, "add_note"):
+                exc.add_note(f"xlatrain: raised while loading the training batch of epoch {epoch} step {step}")
+            raise
+        yield batch
+        step += 1
 
 
 def follow_num_workers(num_workers: int | str, **datasets: Any) -> None:
