@@ -17,9 +17,27 @@ from xlatrain.backend.precision import Precision
 class DDP(EagerStrategy):
     name = "ddp"
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.unused_parameters: list[str] = []  # trainable parameters the dry run's backward left without a gradient
+
+    @property
+    def checks_unused_parameters(self) -> bool:
+        """DDP's reducer waits for every trainable parameter's gradient each step: a parameter the
+        forward never uses stops the second step, so the dry run's backward looks for them."""
+        return self.world_size > 1
+
     def describe(self) -> str:
         if self.world_size > 1:
             what = f"DDP over {self.world_size} processes"
+            if self.unused_parameters:
+                names = self.unused_parameters
+                shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+                what += (
+                    f" (find_unused_parameters=True: {len(names)} trainable parameter(s) got no gradient in the dry "
+                    f"run: {shown}; DDP searches the autograd graph for unused ones each step, which "
+                    "requires_grad_(False) on parameters never meant to train avoids)"
+                )
         elif "TORCHELASTIC_RUN_ID" in os.environ:
             what = "single process (strategy='ddp' over the one process torchrun launched)"
         else:
@@ -36,6 +54,21 @@ class DDP(EagerStrategy):
             return model
         ids = [self._device.index] if self._device.type == "cuda" else None
         return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+
+    def allow_unused_parameters(self, model: torch.nn.Module, names: list[str]) -> torch.nn.Module:
+        """``model`` wrapped anew with ``find_unused_parameters=True``, on every process at once (the
+        names are every process's together): DDP's reducer then marks the gradients no backward
+        reaches as ready instead of waiting for them. The old wrapper's reducer goes with it; the
+        parameters, and so the optimizer, stay the same."""
+        self.unused_parameters = sorted(set(names))
+        inner = getattr(model, "_orig_mod", model)
+        if not isinstance(inner, torch.nn.parallel.DistributedDataParallel) or inner.find_unused_parameters:
+            return model
+        module = inner.module
+        # The old wrapper's reducer removes its gradient hooks when the caller lets go of it; until
+        # then they do nothing (they act only in a backward after the wrapper's own forward).
+        ids = [self._device.index] if self._device.type == "cuda" else None
+        return torch.nn.parallel.DistributedDataParallel(module, device_ids=ids, find_unused_parameters=True)
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         model = super().unwrap(model)

@@ -334,6 +334,8 @@ def error_hints(exc: BaseException, trainer: Any, indices: list[int] | None = No
             "output_field to the field it reads (output_field='logits' for a Hugging Face model), and loss_fn, metrics "
             "and predict get that field"
         )
+    if _DDP_UNUSED in text:
+        hints.append(_ddp_unused_hint(text, trainer))
     if "view size is not compatible" in text and getattr(trainer, "channels_last", False):
         hints.append(
             "xlatrain: channels_last is on (TrainConfig(channels_last='auto') on CUDA under bf16/fp16, or True): the "
@@ -341,6 +343,79 @@ def error_hints(exc: BaseException, trainer: Any, indices: list[int] | None = No
             "torch.flatten() in the model, or set channels_last=False"
         )
     return hints
+
+
+# torch's DDP, at the forward after a step in which a trainable parameter got no gradient.
+_DDP_UNUSED = "Expected to have finished reduction in the prior iteration"
+_DDP_UNUSED_NAMES = re.compile(r"Parameters which did not receive grad for rank \d+: ([^\n]+)")
+_DDP_UNUSED_INDICES = re.compile(r"Parameter indices which did not receive grad for rank \d+: ([\d ]+)")
+
+
+def _ddp_unused_hint(text: str, trainer: Any) -> str:
+    """The parameters DDP names (TORCH_DISTRIBUTED_DEBUG=DETAIL) or numbers (its reducer's order:
+    the trainable parameters as ``named_parameters`` lists them, less those DDP ignores), and what
+    to do. The dry run found none of them unused: they missed a gradient at a later step only."""
+    names: list[str] = []
+    if found := _DDP_UNUSED_NAMES.search(text):
+        names = [n.strip() for n in found.group(1).split(",") if n.strip()]
+    elif (found := _DDP_UNUSED_INDICES.search(text)) and getattr(trainer, "strategy", None) is not None:
+        module = trainer.strategy.unwrap(trainer.model)
+        ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        order = [n for n, p in module.named_parameters() if p.requires_grad and n not in ignored]
+        names = [order[int(i)] for i in found.group(1).split() if int(i) < len(order)]
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return (
+        f"xlatrain: DDP waits each step for a gradient of every trainable parameter, and "
+        f"{shown or 'some'} got none in the step before this one (on this process). The dry run before training "
+        "gave them one, so DDP was not told to look for unused parameters (find_unused_parameters, which xlatrain "
+        "turns on where the dry run finds some). Freeze parameters never meant to train before building the "
+        "Trainer (requires_grad_(False)); where the forward skips them on some batches only, make it use them on "
+        "every batch (add 0 * their output to the result)"
+    )
+
+
+# What a collective raises on a process whose peer is gone: gloo's TCP pair, NCCL's remote error.
+_PEER_GONE = re.compile(r"Connection (closed|reset) by peer|remote process exited|ncclRemoteError|Broken pipe")
+
+
+def failed_collective(exc: BaseException) -> str | None:
+    """``"peer"`` where a collective failed because another process went away (gloo's "Connection
+    closed by peer", NCCL's remote error), ``"collective"`` for another error of torch.distributed's
+    (a ``DistError``: named, not imported, so that only ``backend/`` imports torch.distributed),
+    else None."""
+    if _PEER_GONE.search(str(exc)) and isinstance(exc, RuntimeError):
+        return "peer"
+    if any(cls.__name__ == "DistError" for cls in type(exc).__mro__):
+        return "collective"
+    return None
+
+
+def peer_failure_note(kind: str, where: str = "") -> str:
+    """Said where a collective failed, instead of blaming this process's batch: another process's
+    error is the cause, and it is in that process's own output."""
+    first = (f"another process failed first: this process lost its connection to it{where}, so this error is "
+             "its symptom, not the cause" if kind == "peer" else
+             f"a collective between the processes failed{where}: if another process failed first, this error is "
+             "its symptom")
+    if where:
+        first += " (this process's batch is not at fault)" if kind == "peer" else ""
+    return (f"{first}. The first error is that process's own, in its output (its [rankN]: lines under torchrun, "
+            "whose error summary names it under 'Root Cause')")
+
+
+def failure_status(exc: BaseException) -> str:
+    """What ``status.json`` records of a failed fit: the error, or, where a collective failed on a
+    peer's failure, that another process failed first and where its error is (this process's
+    symptom after it). The same is added to the error's notes, once, where no step said it."""
+    own = f"{type(exc).__name__}: {str(exc)[:2000]}"
+    kind = failed_collective(exc)
+    if kind is None:
+        return own
+    note = peer_failure_note(kind)
+    if hasattr(exc, "add_note") and not any("another process failed first" in n or "a collective between" in n
+                                            for n in getattr(exc, "__notes__", ())):
+        exc.add_note(f"xlatrain: {note}")
+    return f"{note}; this process saw {type(exc).__name__}: {str(exc)[:1000]}"
 
 
 @contextlib.contextmanager
@@ -358,6 +433,9 @@ def in_step(trainer: Any, cursor: Any, step: int) -> Iterator[list[Any]]:
                 indices = None  # the hint names the sample that matters
             what = {"forward": f"the model's forward ({type(trainer.strategy.unwrap(trainer.model)).__name__})",
                     "loss": f"loss_fn {trainer.loss_fn!r}"}.get(where[0], where[0])
+            if kind := failed_collective(exc):
+                exc.add_note(f"xlatrain: {peer_failure_note(kind, f' in {what} at epoch {cursor.epoch} step {step}')}")
+                raise
             exc.add_note(
                 f"xlatrain: raised in {what} at epoch {cursor.epoch} step {step}"
                 + (f"; this process's batch holds the dataset's sample indices {indices}" if indices else "")

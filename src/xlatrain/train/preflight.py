@@ -67,6 +67,7 @@ def prepare(trainer: Trainer, train_data: Any, val_data: Any | None) -> tuple[pe
     gathered = st.gathered_bytes(trainer.model, trainer.precision)
     rng, host_rng = rt.rng_state(), host_rng_state()
     names = None  # what metrics_fn returns, from this fit's own validation batch
+    trainer._unused_parameters = []  # trainable parameters no gradient reached: DDP's reducer is told of them
     try:
         profile, flops, flops_source, tokens = _training_batch(trainer, train_data)
         if val_data is not None:
@@ -145,11 +146,17 @@ def _training_batch(trainer: Trainer, train_data: Any) -> tuple[perf.StepProfile
             return loss
         return run
 
+    # Under DDP over several processes the pass includes its backward (counting the FLOPs too):
+    # which trainable parameters no gradient reaches is known only after one.
+    finds_unused = bool(getattr(st, "checks_unused_parameters", False))
+
     def profile(measure: Any = None) -> perf.StepProfile:
         return perf.profile_step(module, st.unit_modules, rt.device.type, loss_of(trainer.precision, True),
-                                 trainer.config.batch_size if measure else samples, count=flops is None, measure=measure)
+                                 trainer.config.batch_size if measure else samples,
+                                 count=flops is None or (finds_unused and measure is None), measure=measure)
 
     measures = _measures(trainer, train_data)
+    reached = _GradientsReached(module) if finds_unused else None
     try:
         if measures:
             # One forward and backward at the real batch is the dry run, the FLOP count, the
@@ -173,12 +180,35 @@ def _training_batch(trainer: Trainer, train_data: Any) -> tuple[perf.StepProfile
                 "as the step runs it)"
             )
         raise
+    finally:
+        if reached is not None:
+            reached.remove()
+    if reached is not None:
+        # Every process's finding together: DDP is wrapped anew on all of them, or on none.
+        trainer._unused_parameters = sorted({n for found in st.gather_objects(reached.missed()) for n in found})
     if flops is None:
         flops = step.flops_per_sample
         flops_source = "torch's FLOP counter, one forward and backward pass" if flops else \
             "torch's FLOP counter found no matmul or convolution in the step"
     trainer._loss_of = loss_of  # the memory plan's bf16 measurement reuses it
     return step, flops, flops_source, tokens
+
+
+class _GradientsReached:
+    """Which of ``module``'s trainable parameters a backward gave a gradient, by a hook on each
+    (the dry run drops the gradients themselves again)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.names = {p: n for n, p in module.named_parameters() if p.requires_grad}
+        self.seen: set[torch.nn.Parameter] = set()
+        self.hooks = [p.register_post_accumulate_grad_hook(self.seen.add) for p in self.names]
+
+    def missed(self) -> list[str]:
+        return [n for p, n in self.names.items() if p not in self.seen]
+
+    def remove(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
 
 
 def _measures(trainer: Trainer, train_data: Any) -> bool:

@@ -42,7 +42,7 @@ from xlatrain.tensorboard import TensorBoardLog
 from xlatrain.train import perf, preflight, resumable
 from xlatrain.train.batch import collate, tree_map
 from xlatrain.train.callbacks import Callbacks
-from xlatrain.train.checks import check_arguments, check_dataset, check_pipeline_arguments, in_step
+from xlatrain.train.checks import check_arguments, check_dataset, check_pipeline_arguments, failure_status, in_step
 from xlatrain.train.ema import EMA_KEY, EMA_WEIGHTS, WeightAverage, batch_norms, recomputed_batch_norm
 from xlatrain.train.factories import ModelParameters, OptimizerFactory, RunShape, SchedulerFactory
 from xlatrain.train.feed import TrainFeed, channels_last_choice, eval_batches, follow_num_workers, to_channels_last
@@ -336,7 +336,7 @@ class Trainer:
             self._dir.write_status("finished", epochs=len(history))
             return history
         except Exception as exc:
-            self._dir.write_status("failed", error=f"{type(exc).__name__}: {str(exc)[:2000]}")
+            self._dir.write_status("failed", error=failure_status(exc))  # a peer's failure: says so, and where
             raise
         finally:
             if self._feed is not None:
@@ -440,6 +440,9 @@ class Trainer:
             "run": {"global_batch": self.global_batch_size * cfg.grad_accum_steps, "num_train_samples": len(train_data)},
         }
         self.memory_plan, self.throughput = preflight.prepare(self, train_data, val_data)
+        # Parameters the dry run's backward left without a gradient: DDP is told not to wait for them.
+        if self._unused_parameters and (model := st.allow_unused_parameters(self.model, self._unused_parameters)) is not self.model:
+            self.model, self._forward = model, rt.compile(model) if cfg.compile else model
         per_epoch = feed.steps_per_epoch // cfg.grad_accum_steps
         self.run_shape = RunShape(total_steps=per_epoch * cfg.epochs, steps_per_epoch=per_epoch, epochs=cfg.epochs)
         resumable.build_schedule(self, for_fit=True)
