@@ -286,6 +286,28 @@ def test_an_item_that_fails_in_training_says_its_epoch_and_step(tmp_path):
     assert "raised by _FailsFromEpoch.__getitem__(" in notes, notes
 
 
+class _FixedBatch(nn.Module):
+    """A model written for its batch size (state sized by it, an RNN-tutorial habit)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(DIM, CLASSES)
+        self.register_buffer("h0", torch.zeros(BATCH, DIM))
+
+    def forward(self, x):
+        return self.fc(x.view(BATCH, -1) + self.h0)
+
+
+def test_a_model_written_for_its_batch_size_passes_the_checks_before_training(tmp_path):
+    # Training batches are full and evaluation pads each batch to its size, so it trains and is
+    # scored; the dry runs failed it on 2 and 4 rows, calling that "one training batch".
+    trainer = Trainer(_FixedBatch(), nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1),
+                      config=TrainConfig(epochs=1, batch_size=BATCH, run_dir=str(tmp_path / "run"), tensorboard=False),
+                      backend="cpu")
+    row = trainer.fit(_data(), _data(13, seed=1))[-1]
+    assert row["train_loss"] > 0 and 0 <= row["val_accuracy"] <= 1
+
+
 def test_a_callback_without_any_hook_is_refused_at_once(tmp_path):
     with pytest.raises(TypeError, match="has none of the methods on_fit_start"):
         _trainer(tmp_path, callbacks=[object()])

@@ -166,7 +166,17 @@ def _training_batch(trainer: Trainer, train_data: Any) -> tuple[perf.StepProfile
             if step.step_peak is None:
                 step = profile()
         else:
-            step = profile()
+            try:
+                step = profile()
+            except ValueError:
+                raise
+            except Exception:
+                if trainer.config.batch_size <= samples:
+                    raise
+                # A model written for its batch size (a reshape to it) fails on a few rows: the
+                # real batch, which every training step has, decides (and what it raises is the
+                # step's own error). Its activations are counted at that batch.
+                step = profile(lambda run: run())
     except ValueError as exc:
         raise ValueError(f"a dry run on one training batch, before training: {exc}") from None
     except Exception as exc:  # the user's model or loss failed: keep its own error, say where
@@ -233,12 +243,23 @@ def _validation_batch(trainer: Trainer, val_data: Any) -> list[str] | None:
     try:
         model.eval()
         with torch.no_grad():
-            host = first_batch(val_data, collate_fn=trainer._eval_collate)
-            batch = trainer._on_device(to_device(trainer, host), training=False)
-            io.check_keys(batch)
-            targets = io.targets_of(batch)
-            with trainer.precision.autocast():
-                outputs = io.call(model, batch)
+            full = trainer.config.eval_batch_size or trainer.config.batch_size
+            for rows in (2, full):
+                host = first_batch(val_data, rows=rows, collate_fn=trainer._eval_collate)
+                batch = trainer._on_device(to_device(trainer, host), training=False)
+                io.check_keys(batch)
+                targets = io.targets_of(batch)
+                try:
+                    with trainer.precision.autocast():
+                        outputs = io.call(model, batch)
+                    break
+                except ValueError:
+                    raise
+                except Exception:
+                    # A model written for its batch size fails on 2 rows; evaluation pads every
+                    # batch to the full size, so that decides (as in the training dry run).
+                    if rows >= min(full, len(val_data)):
+                        raise
             predictions = io.predictions(outputs)
             trainer._eval_loss = _eval_loss(trainer, outputs, predictions, targets)
             if trainer._eval_loss.note:
