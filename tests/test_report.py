@@ -176,4 +176,18 @@ def test_xla_compilations_are_reported_as_each_epochs_own(tmp_path):
             for e, c in ((1, 7), (2, 0), (3, 9))]
     write_history(tmp_path, rows)
     summary = (write_report(tmp_path) / "summary.md").read_text()
-    assert "- XLA compilations per epoch: 7, 0, 9 (7 in epoch 1, 9 after it)" in summary
+    assert ("- XLA compilations per epoch: 7, 0, 9 (7 in epoch 1, where the fit started and compiled its graphs; "
+            "9 in the other epochs)") in summary
+
+
+def test_the_compilations_of_a_resumed_runs_first_epoch_are_said_as_its_warm_up(tmp_path):
+    from xlatrain.report import write_history, write_report
+
+    # Epoch 2 started a resumed process (its first steps were timed apart): its 7 graphs are that
+    # process's warm-up, not recompilations after epoch 1.
+    rows = [{"epoch": e, "train_loss": 1.0 / e, "epoch_time_s": 1.0, "xla_compilations": c,
+             **({"warmup_s": 1.5} if e in (1, 2) else {})} for e, c in ((1, 7), (2, 7), (3, 0), (4, 0))]
+    write_history(tmp_path, rows)
+    summary = (write_report(tmp_path) / "summary.md").read_text()
+    assert ("- XLA compilations per epoch: 7, 7, 0, 0 (7 in epoch 1 and 7 in epoch 2, where a fit started (the first, "
+            "or a resumed one) and compiled its graphs; 0 in the other epochs)") in summary, summary

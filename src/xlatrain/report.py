@@ -199,9 +199,7 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
     lines += ["- last epoch: " + ", ".join(f"lr at the epoch's start {v:.3g}" if k == "lr" else f"{k} {v:.4f}"
                                            for k, v in last.items() if isinstance(v, float))]
     if "xla_compilations" in last:  # each epoch's own count (a resumed run's first epoch compiles again)
-        counts = [int(row.get("xla_compilations", 0)) for row in rows]
-        lines += [f"- XLA compilations per epoch: {', '.join(map(str, counts[:20]))}{' ...' if len(counts) > 20 else ''}"
-                  f" ({counts[0]} in epoch 1, {sum(counts[1:])} after it)"]
+        lines += [_compilations_line(rows)]
     diagnostics = run_dir / "diagnostics.json"
     if diagnostics.is_file():
         report = json.loads(diagnostics.read_text())
@@ -218,6 +216,20 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
     lines += ["", "## Plots", ""] + [f"![{n}]({n})" for n in sorted(plots)] + [""]
     atomic_write_text(out / "summary.md", "\n".join(lines))
     return out
+
+
+def _compilations_line(rows: list[dict[str, Any]]) -> str:
+    """Each epoch's XLA compilations, those of the epochs where a fit started told apart: a fresh
+    process compiles its graphs again there (a resumed run's first epoch). A row with ``warmup_s``
+    is a fit's first epoch (its first steps were timed apart); the history's first row is one too."""
+    counts = [int(row.get("xla_compilations", 0)) for row in rows]
+    starts = [i for i, row in enumerate(rows) if i == 0 or "warmup_s" in row]
+    began = " and ".join(f"{counts[i]} in epoch {rows[i]['epoch']}" for i in starts)
+    where = "where the fit started" if len(starts) == 1 else "where a fit started (the first, or a resumed one)"
+    rest = sum(c for i, c in enumerate(counts) if i not in starts)
+    others = f"; {rest} in the other epochs" if len(rows) > len(starts) else ""
+    return (f"- XLA compilations per epoch: {', '.join(map(str, counts[:20]))}{' ...' if len(counts) > 20 else ''}"
+            f" ({began}, {where} and compiled its graphs{others})")
 
 
 def _memory_and_throughput(report: dict[str, Any], last: dict[str, Any]) -> list[str]:

@@ -261,7 +261,7 @@ def test_a_graph_that_changes_with_a_value_sized_op_is_blamed_on_that_op(tmp_pat
     report, _ = _fit(tmp_path, "masked", "masked")
     found = _finding(report, "recompilation-after-warmup")
     assert "The step ran aten::nonzero, whose output's size depends on the values" in found["fix"], found["fix"]
-    assert "torch.where(mask, t, 0)" in found["fix"] and "Otherwise, look for a Python number" in found["fix"]
+    assert "torch.where(mask, t, 0)" in found["fix"] and "the step ran aten::nonzero on the CPU" in found["evidence"]
     assert "aten::nonzero" in _finding(report, "cpu-fallback-ops")["evidence"]
     # Its reads are the fallback's, not an .item() of the user's: the fix says so.
     reads = _finding(report, "host-sync-per-step")

@@ -140,7 +140,8 @@ def test_item_per_step_and_cpu_fallback_show_in_the_metrics():
     assert loop["execute_count"] >= 5
     # Per step, without a metric read: which steps compiled (the first two: the update graph, then
     # the .item() sum) and one scalar read each.
-    compiled, reads = zip(*result["counters"])
+    compiled, reads, copies = zip(*result["counters"])
+    assert [copies[i + 1] - copies[i] for i in range(5)] == [1] * 5  # .item() copies its scalar to the CPU
     steps = [(compiled[i + 1] - compiled[i], reads[i + 1] - reads[i]) for i in range(5)]
     assert [r for _, r in steps] == [1] * 5
     assert sum(c for c, _ in steps) == loop["compile_count"] and all(c == 0 for c, _ in steps[2:])

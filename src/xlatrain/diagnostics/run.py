@@ -1,11 +1,13 @@
 """What made this run slow, in words: evidence gathered while training, findings at the end.
 
 Cheap enough to leave on: per batch it compares input shapes (host metadata, no device read),
-times the wait for the next batch and, on XLA, looks up two runtime counters (graphs compiled,
-``.item()``-style reads), which tells which step compiled without touching the device; per epoch
-it reads torch_xla's metrics. At the end of ``fit`` it prints a short report (rank 0) and writes
-``RUN_DIR/diagnostics.json``: each finding with its evidence and a fix, notes on what needs no
-change or could not be judged on this platform, or a clean bill.
+times the wait for the next batch and, on XLA, looks up three runtime counters (graphs compiled,
+``.item()``-style reads, copies to the CPU), which tells which step compiled without touching the
+device (a step that did is told its host transfers and CPU ops too); per epoch it reads torch_xla's
+metrics, and again before the next epoch's first step (what ran after the epoch's end). At the end
+of ``fit`` it prints a short report (rank 0) and writes ``RUN_DIR/diagnostics.json``: each finding
+with its evidence and a fix, notes on what needs no change or could not be judged on this
+platform, or a clean bill.
 """
 
 from __future__ import annotations
@@ -54,6 +56,12 @@ VALUE_SIZED_OPS = ("aten::nonzero", "aten::masked_select", "aten::_unique", "ate
 # torch_xla 2.9 reads it once, at start: then each compilation prints its cause, graph hash,
 # number of graph inputs and the Python line that triggered it ("Compilation Analysis").
 DEBUG_SETTING = "PT_XLA_DEBUG_LEVEL=1"
+# The phase of what ran after an epoch's end and before the next epoch's first step (the epoch's
+# bookkeeping, its checkpoint and EMA save, the on_epoch_end and on_epoch_start callbacks).
+AFTER_EPOCH = "after_epoch"
+GAP_READ_FIX = ("A device read after an epoch's end waits for the device (and compiles the graph that computes the "
+                "value): take what a callback needs from the row on_epoch_end receives (losses and metrics, already "
+                "on the host) instead of reading a device tensor, or read it once after fit().")
 
 
 class DiagnosticsError(RuntimeError):
@@ -78,6 +86,7 @@ class _Phase:
     active_s: float = 0.0  # from each pass's first request for a batch to its end: steps and waits
     changes: list[dict[str, Any]] = field(default_factory=list)
     num_changes: int = 0
+    opened: dict[tuple[Any, ...], None] = field(default_factory=dict)  # shapes that began a pass, in order
 
 
 def _signature(batch: Any) -> tuple[Any, ...]:
@@ -151,6 +160,13 @@ class RunDiagnostics:
         self._events: list[dict[str, Any]] = []  # one per place that compiled: step or between steps
         self._dropped = {"events": 0, "graphs": 0, "unexpected": 0}
         self._counts = self._counters()
+        # Each probe's wall time and planned-read count: a step that compiled is then told its host
+        # transfers (torch_xla's transfer samples carry their time) beyond the planned ones, which
+        # a closure deferred in the step before runs in this one (planned_reads moves when it is
+        # deferred): ``(time, planned reads at the probe, planned reads deferred in the interval before)``.
+        self._mark = (time.time(), runtime.planned_reads, 0)
+        self._fallback_mark: dict[str, int] = self._fallback_counts()  # op counts at the last compiling probe
+        self._gap_open = False  # an epoch has ended and the next epoch's training has not started
         self._planned_seen: set[str] = set()  # phases whose first planned read has happened
         self._remade = False  # the step being probed dropped optimizer state it made (state_remade)
         self._late_state = False  # the warm-up ran longer for it
@@ -171,10 +187,15 @@ class RunDiagnostics:
             return None
         return self._evidence.snapshot()
 
-    def _counters(self) -> tuple[int, int]:
+    def _counters(self) -> tuple[int, int, int]:
         if not self._xla:
-            return 0, 0
+            return 0, 0, 0
         return self._evidence.step_counters()
+
+    def _fallback_counts(self) -> dict[str, int]:
+        if not self._xla:
+            return {}
+        return self._evidence.fallback_counts()
 
     def _compile_seconds(self) -> float:
         if not self._xla:
@@ -197,12 +218,27 @@ class RunDiagnostics:
         steps); ``allowed`` of them are what a clean run compiles there."""
         if not self._xla:
             return
-        compiled, reads = self._counters()
-        graphs, step_reads = compiled - self._counts[0], reads - self._counts[1]
+        compiled, reads, copies = self._counters()
+        graphs, step_reads, step_copies = compiled - self._counts[0], reads - self._counts[1], copies - self._counts[2]
+        # Copies to the CPU that were not scalar reads: calls of ops that fell back to the CPU.
+        fallback_calls = max(0, step_copies - step_reads)
         first_graph = self._counts[0] + 1
-        self._counts = (compiled, reads)
+        self._counts = (compiled, reads, copies)
+        since, planned_then, planned_before = self._mark
+        planned = self._runtime.planned_reads
+        self._mark = (time.time(), planned, planned - planned_then)
         if graphs <= 0:
             return
+        # Every host transfer since the last probe, less the scalar reads and fallback copies (one
+        # transfer each) and every planned read that can have run in it: what is left, if anything,
+        # was a print(t), t.cpu(), .tolist() or .numpy() (a lower bound, never a guess).
+        transfers = self._evidence.transfers_since(since)
+        copied = max(0, transfers - max(step_copies, 0) - (planned - planned_then) - planned_before)
+        if phase == AFTER_EPOCH and (step_reads or copied or fallback_calls):
+            allowed = 0  # what compiled there with a read of the user's callbacks is theirs, not the warm-up
+        now_ops = self._fallback_counts()
+        fallback_ops = [n for n, c in now_ops.items() if c > self._fallback_mark.get(n, 0)] if fallback_calls else []
+        self._fallback_mark = now_ops
         seconds = self._compile_seconds()
         spent, self._compile_s = seconds - self._compile_s, seconds
         expected = int(min(graphs, allowed))
@@ -212,11 +248,15 @@ class RunDiagnostics:
             last["expected"] += expected
             last["compile_s"] += spent
             last["reads"] += step_reads
+            last["host_copies"] = last.get("host_copies", 0) + copied
+            last["fallback_calls"] = last.get("fallback_calls", 0) + fallback_calls
+            last["fallback_ops"] = sorted(set(last.get("fallback_ops", [])) | set(fallback_ops))
             return
         event = {
             "epoch": epoch, "phase": phase, "step": step, "graphs": graphs, "expected": expected,
             "compile_s": spent, "reads": step_reads, "inputs": (inputs or {}).get("kind", "between steps"),
             "input_change": (inputs or {}).get("change", ""), "first_graph": first_graph,
+            "host_copies": copied, "fallback_calls": fallback_calls, "fallback_ops": fallback_ops,
         }
         if len(self._events) < MAX_EVENTS:
             self._events.append(event)
@@ -225,8 +265,21 @@ class RunDiagnostics:
             self._dropped["graphs"] += graphs
             self._dropped["unexpected"] += graphs - expected
 
-    def _compare(self, state: _Phase, phase: str, epoch: int, step: int, sig: tuple[Any, ...]) -> dict[str, Any]:
-        """How this batch's shapes and dtypes relate to the phase's earlier batches."""
+    def _compare(self, state: _Phase, phase: str, epoch: int, step: int, sig: tuple[Any, ...],
+                 opening: bool = False) -> dict[str, Any]:
+        """How this batch's shapes and dtypes relate to the phase's earlier batches; for a pass's
+        first batch (``opening``), to the earlier passes' first batches too: that step's graph is
+        not the later steps' (evaluation's first step creates its metric sums), so a shape seen
+        only later in a pass is new to it."""
+        if opening:
+            began = list(state.opened)
+            state.opened[sig] = None
+            if began and sig not in began and sig in state.seen:
+                if state.signature is not None and sig != state.signature:
+                    self._compare(state, phase, epoch, step, sig)  # still a change from the batch before
+                return {"kind": "new", "change": _describe_change(began[-1], sig)
+                        + ": no earlier pass began with this shape, and a pass's first step can build a graph of "
+                        "its own"}
         if state.signature is None:
             kind, change = "first", ""
         elif sig == state.signature:
@@ -253,6 +306,10 @@ class RunDiagnostics:
             epoch: the epoch being trained; 0 means the current one (evaluation inside ``fit``).
             first_step: the number of the first batch (later than 1 when a run resumes mid-epoch).
         """
+        if phase == "train" and epoch and self._gap_open:
+            error = self._close_gap()
+            if error:
+                raise DiagnosticsError(error)
         state = self._phases.setdefault(phase, _Phase())
         if phase == "train" and epoch:
             self._epoch = epoch
@@ -312,7 +369,7 @@ class RunDiagnostics:
                 self._probe(epoch, None, None, None, between)
             step += 1
             state.batches += 1
-            inputs = self._compare(state, phase, epoch, step, _signature(batch))
+            inputs = self._compare(state, phase, epoch, step, _signature(batch), opening=step == first_step)
             if phase == "train":
                 self._train_steps += 1
             else:
@@ -357,6 +414,7 @@ class RunDiagnostics:
                        recompilations=tc["recompilations"], graph_breaks=tc["graph_breaks"])
         self._epochs.append(row)
         self._snap, self._planned, self._epoch_started, self._train_steps, self._eval_steps = snap, planned, now, 0, 0
+        self._gap_open = True
         if self._strict and self._compile is not None and (err := self._compile.strict_error()):
             self._compile.stop()
             raise DiagnosticsError(err)
@@ -374,6 +432,39 @@ class RunDiagnostics:
                 raise DiagnosticsError(f"strict: epoch {epoch}, after its warm-up: "
                                        + "; ".join(f.title + " -> " + f.fix for f in waste))
         return row
+
+    def _close_gap(self) -> str | None:
+        """Book what ran after the last epoch's end (its checkpoint and EMA save, the on_epoch_end
+        and on_epoch_start callbacks) to that epoch, not to the next one's first step; returns
+        strict mode's error for it, if any (judged as the epoch it follows)."""
+        self._gap_open = False
+        row = self._epochs[-1]
+        epoch = row["epoch"]
+        first = epoch == (self._first_epoch or epoch)
+        self._probe(epoch, AFTER_EPOCH, None, None, math.inf if first else 0)
+        snap, planned = self._snapshot(), self._runtime.planned_reads
+        if snap is None or self._snap is None:
+            return None
+        d = self._evidence.diff(self._snap, snap)
+        gap = {"compilations": d["compile_count"], "compile_s": d["compile_s"],
+               "host_reads": d["transfer_from_device_count"], "planned_reads": planned - self._planned,
+               "scalar_reads": d["scalar_reads"], "cpu_fallback_ops": d["cpu_fallback_ops"]}
+        row["after_end"] = gap
+        self._snap, self._planned = snap, planned
+        unplanned = gap["host_reads"] - gap["planned_reads"]
+        recompiled = self._compile_finding()
+        if self._strict and first and recompiled is not None:
+            # The first epoch's own waste raised at its end: what is found now compiled after it.
+            return (f"strict: after epoch {epoch}'s end (its checkpoint and EMA save, the on_epoch_end and "
+                    f"on_epoch_start callbacks): {recompiled.title} -> {recompiled.fix}")
+        if not self._strict or first or not (gap["compilations"] or unplanned > 0):
+            return None
+        return (f"strict: after epoch {epoch}'s end (its checkpoint and EMA save, the on_epoch_end and on_epoch_start "
+                f"callbacks) the run compiled {gap['compilations']} new graph(s) and read the device {unplanned} "
+                f"time(s) outside the planned reads ({gap['scalar_reads']} .item()/float()/bool()); "
+                + "; ".join(([recompiled.title + " -> " + recompiled.fix]
+                             if recompiled is not None and gap["compilations"] else [])
+                            + ([GAP_READ_FIX] if unplanned > 0 else [])))
 
     # --- findings ------------------------------------------------------------------------------
     def _attach_analyses(self) -> str | None:
@@ -435,12 +526,34 @@ class RunDiagnostics:
             also = (f" (the step also read a device value {event['reads']} time(s), and each read ends a graph)"
                     if event["reads"] else "")
             return "inputs", f"new input shapes or dtypes: {event['input_change']}{also}"
+        gap = event["phase"] == AFTER_EPOCH
+        who = ("code run after the epoch's end (on_epoch_end and on_epoch_start callbacks)" if gap else
+               "code run between steps" if event["step"] is None else "the step")
+        pieces = ("which ends the graph there: each piece compiles on its own" if event["step"] is not None else
+                  "which compiles the graph that computes the value")
+        calls = event.get("fallback_calls", 0)
+        if calls:
+            ops = event.get("fallback_ops") or []
+            named = (ops[0] if len(ops) == 1 else "one of " + ", ".join(ops)) if ops else "an op"
+            also = (f"; it also read a device value {event['reads']} time(s) (.item(), float(), bool(), or the "
+                    "op's own backward)" if event["reads"] else "")
+            return "fallback", (
+                f"{who} ran {named} on the CPU ({calls} call(s); torch_xla has no lowering for it): the graph "
+                f"up to its inputs runs and they are copied to the host, {pieces}{also}"
+            )
         if event["reads"]:
             at = next((a["at"] for a in analyses if a["at"] and "access tensor value" in (a["cause"] or "")), "")
-            return "read", (
-                f"the step read a device value {event['reads']} time(s) (.item(), float(), bool())"
-                + (f" at {at}" if at else "") + ", which ends the graph there: each piece compiles on its own"
+            return "read" if not gap else "gap-read", (
+                f"{who} read a device value {event['reads']} time(s) (.item(), float(), bool())"
+                + (f" at {at}" if at else "") + f", {pieces}"
             )
+        if event.get("host_copies", 0):
+            return "copy" if not gap else "gap-read", (
+                f"{who} copied a device tensor to the host {event['host_copies']} time(s) beyond the Trainer's "
+                f"planned reads (print(t), t.cpu(), .tolist(), .numpy()), {pieces}"
+            )
+        if gap:
+            return "between", f"{who}, the checkpoint or the EMA weights' save; {self._debug_hint()}"
         if event["step"] is None:
             return "between", f"between steps (epoch-end reads, metrics or a checkpoint); {self._debug_hint()}"
         same = "as the step before" if event["inputs"] == "same" else "as an earlier step that had compiled"
@@ -487,7 +600,7 @@ class RunDiagnostics:
         for (epoch, phase, words), g in list(groups.items())[:MAX_LISTED]:
             steps = g["steps"]
             where = (f"epoch {epoch}, {phase} step{'s' if len(steps) > 1 else ''} {_steps(steps)}" if steps
-                     else f"epoch {epoch}, between steps")
+                     else f"after epoch {epoch}'s end" if phase == AFTER_EPOCH else f"epoch {epoch}, between steps")
             clean = f" where a clean run compiles {g['expected']}" if g["expected"] else ""
             lines.append(f"{where}: {g['graphs']} graph(s){clean}, {g['s']:.2f} s; {words}")
         if len(groups) > MAX_LISTED:
@@ -501,8 +614,19 @@ class RunDiagnostics:
         if "read" in kinds:
             fixes.append("Remove .item(), float(t), bool(t) and `if t ...` from the model and loss; the Trainer "
                          "already reads the loss every log_every steps without cutting the graph.")
+        if "copy" in kinds:
+            fixes.append("Remove print(t), t.cpu(), t.tolist() and t.numpy() of device tensors from the model and "
+                         "loss (print shapes, not values); the Trainer already reads the loss every log_every steps "
+                         "without cutting the graph.")
+        named = sorted({op for e in extra_events for op in e.get("fallback_ops", [])})
+        if "fallback" in kinds and (not named or any(op not in VALUE_SIZED_OPS for op in named)):
+            ops = [op for op in named if op not in VALUE_SIZED_OPS]
+            fixes.append(f"Replace {', '.join(ops) or 'the op that ran on the CPU'} with ops XLA lowers, or compute it "
+                         "outside the step (once, on the host, before training).")
+        if "gap-read" in kinds:
+            fixes.append(GAP_READ_FIX)
         sized = [op for op in self._fallbacks() if op in VALUE_SIZED_OPS]
-        if sized and kinds & {"unknown", "graph", "constant"}:
+        if sized and kinds & {"unknown", "graph", "constant", "fallback"}:
             fixes.append(f"The step ran {', '.join(sized)}, whose output's size depends on the values (boolean-mask "
                          "indexing t[mask], nonzero, unique, masked_select): each step then has shapes of its own "
                          "inside the graph. Use fixed-shape forms: torch.where(mask, t, 0) or (t * mask).sum() for "
@@ -645,10 +769,10 @@ class RunDiagnostics:
         else:
             uncounted.append("recompilations")
         if self._xla:
-            # A finding takes one unplanned read per two steps; fewer are counted here.
-            unplanned, steps = self._unplanned_reads()
-            checked += ["no unplanned device reads" if unplanned <= 0 else
-                        self._reads_in_steps(unplanned, steps) + ", under one per two training steps",
+            # A finding takes one unplanned read per two steps; fewer are a note.
+            unplanned, _ = self._unplanned_reads()
+            checked += ["no unplanned device reads" if unplanned <= 0 and not self._gap_reads()[0] else
+                        "unplanned device reads under one per two training steps (see the note)",
                         "no CPU fallbacks"]
         else:
             uncounted += ["device reads", "CPU fallbacks"]
@@ -675,9 +799,35 @@ class RunDiagnostics:
         # batch absorbs the step's own compute: it says nothing about the loader.
         return not (self._xla and self._platform == "cpu")
 
+    def _gap_reads(self) -> tuple[int, int, list[int]]:
+        """Unplanned device reads after epochs' ends (XLA only): (reads, .item()-style ones, the epochs)."""
+        gaps = [(e["epoch"], e["after_end"]) for e in self._epochs if "after_end" in e]
+        found = [(epoch, g["host_reads"] - g["planned_reads"], g["scalar_reads"]) for epoch, g in gaps]
+        found = [f for f in found if f[1] > 0]
+        return sum(f[1] for f in found), sum(f[2] for f in found), [f[0] for f in found]
+
+    def _read_notes(self) -> list[str]:
+        """Unplanned device reads that are no finding: fewer than one per two training steps, and
+        those after epochs' ends (once an epoch, outside the steps)."""
+        if not (self._epochs and "host_reads" in self._epochs[0]):
+            return []
+        out = []
+        unplanned, steps = self._unplanned_reads()
+        if 0 < unplanned < steps / 2:
+            scalar = sum(e["scalar_reads"] for e in self._epochs)
+            out.append(f"device reads: {self._reads_in_steps(unplanned, steps)}, fewer than one per two training steps "
+                       f"(a finding from there); {scalar} were .item()/float()/bool() on a device tensor. "
+                       + self._reads_fix(scalar, unplanned, self._fallbacks()))
+        gap, scalar, epochs = self._gap_reads()
+        if gap:
+            out.append(f"device reads after epochs' ends: {gap} unplanned read(s) after the end of epoch(s) "
+                       f"{_steps(epochs)}, before the next epoch's first step ({scalar} .item()/float()/bool()), where "
+                       "the on_epoch_end and on_epoch_start callbacks run, not in a step. " + GAP_READ_FIX)
+        return out
+
     def notes(self) -> list[str]:
         """What the report says once, needing no change, or what it could not judge here."""
-        out: list[str] = []
+        out: list[str] = self._read_notes()
         warm = [e for e in self._events if e["expected"]]
         if warm:
             places = []
@@ -685,8 +835,10 @@ class RunDiagnostics:
                 steps = sorted({e["step"] for e in warm if e["phase"] == phase})
                 if steps:
                     places.append(f"{phase} step{'s' if len(steps) > 1 else ''} {_steps(steps)}")
-            if any(e["step"] is None for e in warm):
+            if any(e["step"] is None and e["phase"] != AFTER_EPOCH for e in warm):
                 places.append("between steps")
+            if any(e["phase"] == AFTER_EPOCH for e in warm):
+                places.append("after the epoch's end")
             seconds = sum(e["compile_s"] * e["expected"] / e["graphs"] for e in warm)
             out.append(
                 f"warm-up: {sum(e['expected'] for e in warm)} graph(s) compiled in {seconds:.1f} s "
@@ -738,6 +890,8 @@ class RunDiagnostics:
 
     def finish(self, run_dir: Path, is_main: bool) -> dict[str, Any]:
         """Write ``run_dir/diagnostics.json`` and log the report (main process); returns the report."""
+        # The last epoch's end: what its on_epoch_end callbacks did is counted too.
+        error = self._close_gap() if self._gap_open and self._epochs else None
         unmatched = self._attach_analyses()
         if self._compile is not None:
             self._compile.stop()
@@ -774,4 +928,6 @@ class RunDiagnostics:
                 log.info(f"diagnostics: clean ({', '.join(checked)}{counted_where})")
             for note in notes:
                 log.info(f"  note: {note}")
+        if error:
+            raise DiagnosticsError(error)
         return report

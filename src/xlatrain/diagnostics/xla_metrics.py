@@ -76,18 +76,50 @@ def snapshot() -> dict[str, Any]:
     return snap
 
 
-def step_counters() -> tuple[int, int]:
-    """Graphs compiled and ``.item()``-style reads so far in this process: ``(compiled, reads)``.
+# torch_xla copies a device tensor to the host for a CPU fallback op's inputs and for a scalar
+# read through ``xla::_to_cpu``; ``print(t)``, ``t.cpu()``, ``.tolist()`` and ``.numpy()`` copy
+# through ``xla::_to_copy`` instead (as does a cast on the device), and the Trainer's planned reads
+# through neither. Measured on torch_xla 2.9, XLA:CPU.
+CPU_COPY_OP = "xla::_to_cpu"
 
-    Cheap enough to call at every step: two counter lookups (a fraction of a microsecond each),
+
+def step_counters() -> tuple[int, int, int]:
+    """Graphs compiled, ``.item()``-style reads and copies to the CPU so far in this process:
+    ``(compiled, reads, cpu_copies)``.
+
+    Cheap enough to call at every step: three counter lookups (a fraction of a microsecond each),
     where reading a metric copies its sample ring (about 60 microseconds once it holds a thousand
     samples). ``compiled`` counts graphs the process had not compiled before (a persistent-cache
     load included); ``reads`` counts ``.item()``, ``float(t)``, ``bool(t)`` and ``int(t)`` on a
-    device tensor. Other host reads (``print(t)``, ``t.cpu()``) show only in ``snapshot()``.
+    device tensor; ``cpu_copies`` counts those reads and each call of an op that fell back to the
+    CPU (its inputs copied to the host), so ``cpu_copies - reads`` is the fallback calls. Other
+    host reads (``print(t)``, ``t.cpu()``) are counted by ``transfers_since``.
     """
     import torch_xla.debug.metrics as met
 
-    return int(met.counter_value("UncachedCompile") or 0), int(met.counter_value(SCALAR_READ_OP) or 0)
+    return (int(met.counter_value("UncachedCompile") or 0), int(met.counter_value(SCALAR_READ_OP) or 0),
+            int(met.counter_value(CPU_COPY_OP) or 0))
+
+
+def transfers_since(wall_time: float) -> int:
+    """Device-to-host transfers posted after ``wall_time`` (``time.time()``), every kind of host
+    read included; at most the metric's sample ring (about a thousand), so a lower bound past it.
+
+    Reads the ring (tens of microseconds): for a step that compiled, not for every step.
+    """
+    import torch_xla.debug.metrics as met
+
+    data = met.metric_data("TransferFromDeviceTime")
+    return sum(1 for when, _ in data[2] if when > wall_time) if data else 0
+
+
+def fallback_counts() -> dict[str, int]:
+    """How often each op that falls back to the CPU has run so far (scalar reads left out)."""
+    import torch_xla.debug.metrics as met
+
+    names = set(met.executed_fallback_ops()) | {n for n in met.counter_names() if n.startswith("aten::")}
+    counts = {name: int(met.counter_value(name) or 0) for name in sorted(names) if name != SCALAR_READ_OP}
+    return {name: count for name, count in counts.items() if count}
 
 
 def compile_seconds() -> float:
