@@ -4,7 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from xlatrain.checkpoint import atomic_write_bytes, load_weights, save_weights
+from xlatrain import load_weights
+from xlatrain.checkpoint import atomic_write_bytes, save_weights
 
 
 class Tied(nn.Module):

@@ -17,7 +17,7 @@ _EXPORTS = {
     "BackendUnavailableError": "xlatrain.backend.errors",
     "select_backend": "xlatrain.backend",
     "spawn": "xlatrain.backend",
-    "load_weights": "xlatrain.checkpoint",
+    "load_weights": "xlatrain.train.state",
     "save_weights": "xlatrain.checkpoint",
     "BackendConfig": "xlatrain.config",
     "CheckpointConfig": "xlatrain.config",
@@ -53,11 +53,12 @@ if TYPE_CHECKING:
     from xlatrain.backend import select_backend, spawn
     from xlatrain.backend.base import Backend
     from xlatrain.backend.errors import BackendUnavailableError
-    from xlatrain.checkpoint import load_weights, save_weights
+    from xlatrain.checkpoint import save_weights
     from xlatrain.config import BackendConfig, CheckpointConfig, TrainConfig
     from xlatrain.data.padding import PadCollate
     from xlatrain.train.batch import collate
     from xlatrain.train.detection import DetectionMAP
+    from xlatrain.train.state import load_weights
     from xlatrain.diagnostics.run import DiagnosticsError
     from xlatrain.train.factories import ModelParameters, RunShape
     from xlatrain.train.trainer import DoesNotFitError, NonFiniteLossError, Trainer

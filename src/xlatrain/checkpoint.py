@@ -106,16 +106,14 @@ def save_weights(
 
 def write_weights(path: str | os.PathLike[str], tensors: dict[str, torch.Tensor], aliases: dict[str, str]) -> Path:
     """Host tensors (one per distinct weight) and ``{alias: kept name}`` as a weights file that
-    :func:`load_weights` reads, atomically."""
+    ``xlatrain.load_weights`` reads, atomically."""
     data = st_save(tensors, metadata={_ALIASES_KEY: json.dumps(aliases)})
     return atomic_write_bytes(path, data)
 
 
-def load_weights(module: torch.nn.Module, path: str | os.PathLike[str], strict: bool = True) -> None:
-    """Load weights saved by :func:`save_weights` into ``module`` (in place, ties preserved).
-
-    A model the Trainer sharded (``strategy="fsdp"``) takes them too: every process reads the
-    whole file and keeps its own shards."""
+def read_weights(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """The weights a file :func:`save_weights` wrote holds, by name, tied names included (each
+    alias the same tensor as the name it is tied to): what ``xlatrain.load_weights`` loads."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no weights file at {path}")
@@ -127,9 +125,7 @@ def load_weights(module: torch.nn.Module, path: str | os.PathLike[str], strict: 
         raise ValueError(f"{path} is not a readable safetensors file ({exc}); it may be truncated") from exc
     for alias, kept in with_meta.items():
         tensors[alias] = tensors[kept]
-    from xlatrain.backend.model_state import load_whole_weights
-
-    load_whole_weights(module, tensors, strict)
+    return tensors
 
 
 def _read_metadata(raw: bytes) -> dict[str, str]:
@@ -457,7 +453,7 @@ def find_resumable(
 
 def export_weights(source: str | os.PathLike[str], out: str | os.PathLike[str] | None = None) -> tuple[Path, Path]:
     """Whole model weights for inference, from a run directory or one checkpoint, as a safetensors
-    file that :func:`load_weights` reads: a sharded checkpoint's parts are put together on the host.
+    file that ``xlatrain.load_weights`` reads: a sharded checkpoint's parts are put together on the host.
 
     ``source``: a checkpoint directory, or a run directory (its newest checkpoint that verifies).
     ``out``: default ``RUN_DIR/model.safetensors``. Returns ``(checkpoint used, file written)``.

@@ -38,7 +38,7 @@ def test_a_compiled_fit_matches_the_eager_fit(tmp_path):
             assert b[key] == pytest.approx(a[key], rel=1e-5), key
         assert b["val_accuracy"] == a["val_accuracy"]
     # Checkpoints and best weights hold the user's module names, not the compiled wrapper's.
-    from xlatrain.checkpoint import load_weights
+    from xlatrain import load_weights
 
     load_weights(_model(), tmp_path / "True" / "best.safetensors")
 

@@ -9,7 +9,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import xlatrain
-from xlatrain.checkpoint import list_checkpoints, load_weights, read_checkpoint
+from xlatrain import load_weights
+from xlatrain.checkpoint import list_checkpoints, read_checkpoint
 from xlatrain.config import TrainConfig
 
 

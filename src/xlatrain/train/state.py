@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import platform
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -18,7 +19,8 @@ from typing import Any
 
 import torch
 
-from xlatrain.checkpoint import distinct_weights
+from xlatrain.backend.model_state import load_whole_weights
+from xlatrain.checkpoint import distinct_weights, read_weights
 from xlatrain.tree import flatten_keys
 
 FORMAT_VERSION = 1
@@ -349,3 +351,13 @@ def resume_changes(old: dict[str, Any], new: dict[str, Any], epochs_done: int,
         else:
             refused.append(line)
     return continued, refused
+
+
+def load_weights(module: torch.nn.Module, path: str | os.PathLike[str], strict: bool = True) -> None:
+    """Load weights saved by :func:`xlatrain.save_weights` (or a run's ``best.safetensors``,
+    ``ema.safetensors``, ``xlatrain export``) into ``module``, in place, ties preserved.
+
+    A model the Trainer sharded (``strategy="fsdp"``) takes them too: every process reads the
+    whole file and keeps its own shards. ``strict`` as in ``load_state_dict``.
+    """
+    load_whole_weights(module, read_weights(path), strict)
