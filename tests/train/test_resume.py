@@ -641,6 +641,29 @@ def test_more_epochs_under_a_schedule_sized_for_the_old_length_are_refused_befor
     assert after == before  # nothing trained, nothing written
 
 
+def test_an_optimizer_setting_changed_before_a_resume_is_refused_not_dropped(tmp_path):
+    """A factory changed between runs (another lr, weight decay or betas) lost to the checkpoint's
+    values, which loading put back silently; the command line already refused it."""
+    def trainer(epochs, **adam):
+        torch.manual_seed(0)
+        return xlatrain.Trainer(nn.Linear(4, 2), nn.CrossEntropyLoss(), functools.partial(torch.optim.AdamW, **adam),
+                                scheduler_fn=lambda opt, run: torch.optim.lr_scheduler.StepLR(opt, 1, 0.5),
+                                config=xlatrain.TrainConfig(epochs=epochs, batch_size=4, run_dir=str(tmp_path),
+                                                            tensorboard=False), backend="cpu")
+
+    trainer(1, lr=0.01).fit(_tiny_data())
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and p.name != ".xlatrain.lock"}
+    with pytest.raises(ValueError) as err:
+        trainer(2, lr=0.005, betas=(0.8, 0.999)).fit(_tiny_data())
+    message = str(err.value)
+    assert "cannot continue under optimizer.betas [0.9, 0.999] -> [0.8, 0.999]; optimizer.lr 0.01 -> 0.005" in message
+    assert "resume=False" in message
+    after = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and p.name != ".xlatrain.lock"}
+    assert after == before  # refused before anything loaded or trained
+    # The same settings go on, though the schedule has moved the rate (the base rate is compared).
+    assert [round(r["lr"], 6) for r in trainer(2, lr=0.01).fit(_tiny_data())] == [0.01, 0.005]
+
+
 def test_a_schedule_saved_with_another_length_at_the_same_epochs_goes_on_as_saved_and_is_said(tmp_path, caplog):
     """A per-step cosine an earlier xlatrain built over the epoch count (T_max=2) resumed where one
     built now spans the run's steps (T_max=20): the checkpoint's goes on, and the header says so."""

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from xlatrain.backend.model_state import optimizer_implementation, restore_implementation
+from xlatrain.backend.model_state import IMPLEMENTATION_KEYS, optimizer_implementation, restore_implementation
 from xlatrain.train.checks import required_positional
 from xlatrain.train.ema import drop_averages
 from xlatrain.checkpoint import (
@@ -145,6 +145,9 @@ def check_resumable(trainer: Trainer, path: Path, tensors: dict[str, torch.Tenso
     done = raw.get("epoch", 1) - (0 if raw.get("epoch_done") else 1)
     continued, refused = resume_changes(old, trainer._config_record, epochs_done=done,
                                         best_recorded=raw.get("best_epoch") is not None)
+    saved_groups = (meta.get("optimizer") or meta.get("sharded") or {}).get("param_groups")
+    if not refused and saved_groups is not None:  # a config's optimizer section was compared above
+        refused = changed_optimizer_settings(saved_groups, trainer.optimizer)
     if refused:
         raise ValueError(f"cannot resume from {path}: the run cannot continue under {'; '.join(refused)}. "
                          f"{_global_batch_hint(trainer, old)}{ways_on}")
@@ -153,6 +156,35 @@ def check_resumable(trainer: Trainer, path: Path, tensors: dict[str, torch.Tenso
         _check_schedule_length(trainer, path, meta, was, now)
     if continued:
         trainer._say(f"resuming with changed settings: {'; '.join(continued)}")
+
+
+def changed_optimizer_settings(saved_groups: list[dict[str, Any]], optimizer: torch.optim.Optimizer) -> list[str]:
+    """What this run's optimizer sets otherwise than the checkpoint's (``optimizer.lr 0.01 ->
+    0.005``): loading the checkpoint would put the old values back over them, unsaid. The learning
+    rate compared is the base one (a schedule's ``initial_lr``), which a schedule does not move;
+    how the optimizer computes (fused, foreach, ...) is this run's own choice."""
+    groups = optimizer.param_groups
+    if len(saved_groups) != len(groups):
+        return [f"the optimizer's parameter groups {len(saved_groups)} -> {len(groups)}"]
+    out = []
+    for i, (old, new) in enumerate(zip(saved_groups, groups)):
+        name = "optimizer." if len(groups) == 1 else f"optimizer group {i} "
+        for key in sorted(set(old) & set(new)):  # a key one torch release has and another not is no change
+            if key in ("params", "initial_lr", *IMPLEMENTATION_KEYS):
+                continue
+            was, now = (_plain(g.get("initial_lr", g.get("lr")) if key == "lr" else g.get(key)) for g in (old, new))
+            if was != now:
+                out.append(f"{name}{key} {was} -> {now}")
+    return out
+
+
+def _plain(value: Any) -> Any:
+    """A group's setting as the checkpoint's JSON holds it (tensors as numbers, tuples as lists)."""
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else value.tolist()
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
 
 
 def build_schedule(trainer: Trainer, *, for_fit: bool) -> None:
