@@ -272,6 +272,18 @@ def test_a_model_that_cannot_fit_a_stated_device_is_refused_before_its_first_ste
     history = smaller.fit(data)
     assert math.isfinite(history[0]["train_loss"]) and smaller.memory_plan.total <= 5e6
 
+    # Where nothing named fits, the changes together neither, the refusal says so, and what is left.
+    with pytest.raises(xlatrain.DoesNotFitError) as refused:
+        xlatrain.Trainer(
+            nn.Sequential(*(Layer() for _ in range(4)), nn.Linear(256, 4)), nn.MSELoss(),
+            functools.partial(torch.optim.Adam, lr=1e-3),
+            config=xlatrain.TrainConfig(epochs=1, batch_size=256, run_dir=str(tmp_path / "tiny")),
+            backend=xlatrain.BackendConfig(accelerator="cpu", device_memory=20_000),
+        ).fit(data)
+    message = str(refused.value)
+    assert "None of these fits: " in message and "combine them" not in message, message
+    assert message.endswith("Lower the batch size or the model's size, or shard it (strategy='fsdp') over more devices.")
+
 
 def test_a_device_from_the_table_names_its_memory():
     from xlatrain.backend.hardware import DEVICE_SPECS, parse_memory

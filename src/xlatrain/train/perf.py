@@ -379,8 +379,10 @@ class MemoryPlan:
             lines += [f"  - {f.change}: {human_bytes(f.bytes)} per device" for f in fitting]
         others = [f for f in self.fixes if not f.fits]
         if others:
-            lines.append(("None of these fits alone; combine them: " if not fitting else "Not enough alone: ")
+            lines.append(("None of these fits: " if not fitting else "Not enough alone: ")
                          + "; ".join(f"{f.change}: {human_bytes(f.bytes)}" for f in others))
+            if not fitting:
+                lines.append("Lower the batch size or the model's size, or shard it (strategy='fsdp') over more devices.")
         if not self.fixes:
             lines.append("Lower the batch size or the model's size, or shard it (strategy='fsdp') over more devices.")
         return "\n".join(lines)

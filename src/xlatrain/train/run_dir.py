@@ -64,7 +64,7 @@ class RunDirectory:
                 n = 2
                 while RemoteRun(f"{url}-{n}").holds_a_run():
                     n += 1
-                self._say(f"{url} holds an earlier run; resume=False starts this one in {url}-{n}")
+                self._say(f"{url} holds an earlier run; this fresh run (resume=False, --fresh) starts in {url}-{n}")
                 url = f"{url}-{n}"
             self.remote = RemoteRun(url)
             self.path = self.remote.local
@@ -73,7 +73,7 @@ class RunDirectory:
             while holds_a_run(base.with_name(f"{base.name}-{n}")):
                 n += 1
             self.path = base.with_name(f"{base.name}-{n}")
-            self._say(f"{base} holds an earlier run; resume=False starts this one in {self.path}")
+            self._say(f"{base} holds an earlier run; this fresh run (resume=False, --fresh) starts in {self.path}")
         else:
             self.path = base
         error, note, kind = None, None, "RunDirError"
