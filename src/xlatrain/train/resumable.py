@@ -145,9 +145,6 @@ def check_resumable(trainer: Trainer, path: Path, tensors: dict[str, torch.Tenso
     done = raw.get("epoch", 1) - (0 if raw.get("epoch_done") else 1)
     continued, refused = resume_changes(old, trainer._config_record, epochs_done=done,
                                         best_recorded=raw.get("best_epoch") is not None)
-    saved_groups = (meta.get("optimizer") or meta.get("sharded") or {}).get("param_groups")
-    if not refused and saved_groups is not None:  # a config's optimizer section was compared above
-        refused = changed_optimizer_settings(saved_groups, trainer.optimizer)
     if refused:
         raise ValueError(f"cannot resume from {path}: the run cannot continue under {'; '.join(refused)}. "
                          f"{_global_batch_hint(trainer, old)}{ways_on}")
@@ -156,25 +153,39 @@ def check_resumable(trainer: Trainer, path: Path, tensors: dict[str, torch.Tenso
         _check_schedule_length(trainer, path, meta, was, now)
     if continued:
         trainer._say(f"resuming with changed settings: {'; '.join(continued)}")
+    saved_groups = (meta.get("optimizer") or meta.get("sharded") or {}).get("param_groups")
+    kept = [] if saved_groups is None else \
+        changed_optimizer_settings(saved_groups, trainer.optimizer, scheduled=trainer.scheduler is not None)
+    if kept:  # a config's optimizer section was compared above; a factory's values are only here
+        trainer._say(
+            f"the checkpoint's optimizer settings continue, not this run's optimizer factory's: {'; '.join(kept)}. "
+            "To train with the new values, start over (fit(..., resume=False): a new run directory), or set them "
+            "in a callback's on_fit_start (trainer.optimizer.param_groups)"
+        )
 
 
-def changed_optimizer_settings(saved_groups: list[dict[str, Any]], optimizer: torch.optim.Optimizer) -> list[str]:
-    """What this run's optimizer sets otherwise than the checkpoint's (``optimizer.lr 0.01 ->
-    0.005``): loading the checkpoint would put the old values back over them, unsaid. The learning
-    rate compared is the base one (a schedule's ``initial_lr``), which a schedule does not move;
-    how the optimizer computes (fused, foreach, ...) is this run's own choice."""
+def changed_optimizer_settings(saved_groups: list[dict[str, Any]], optimizer: torch.optim.Optimizer,
+                               scheduled: bool = False) -> list[str]:
+    """What this run's optimizer factory set otherwise than the checkpoint holds, which loading the
+    checkpoint puts back over it (``optimizer.lr 0.01 kept (this run: 0.005)``). Only what no
+    schedule moves is compared: the base learning rate (a schedule's ``initial_lr``; the rate itself
+    where no schedule keeps one), and momentum or betas unless a schedule cycles them. How the
+    optimizer computes (fused, foreach, ...) is this run's own choice."""
     groups = optimizer.param_groups
     if len(saved_groups) != len(groups):
-        return [f"the optimizer's parameter groups {len(saved_groups)} -> {len(groups)}"]
+        return []  # another grouping of the parameters: the load itself refuses it
     out = []
     for i, (old, new) in enumerate(zip(saved_groups, groups)):
         name = "optimizer." if len(groups) == 1 else f"optimizer group {i} "
-        for key in sorted(set(old) & set(new)):  # a key one torch release has and another not is no change
-            if key in ("params", "initial_lr", *IMPLEMENTATION_KEYS):
-                continue
-            was, now = (_plain(g.get("initial_lr", g.get("lr")) if key == "lr" else g.get(key)) for g in (old, new))
+        moved = {"initial_lr", *IMPLEMENTATION_KEYS} | ({"momentum", "betas"} if "base_momentum" in new else set())
+        if "initial_lr" in old and "initial_lr" in new:
+            old, new = {**old, "lr": old["initial_lr"]}, {**new, "lr": new["initial_lr"]}
+        elif scheduled or "initial_lr" in old or "initial_lr" in new:
+            moved.add("lr")  # a schedule that keeps no base (ReduceLROnPlateau), or one on one side only
+        for key in sorted(set(old) & set(new) - moved - {"params"}):  # a key one torch release lacks is no change
+            was, now = _plain(old[key]), _plain(new[key])
             if was != now:
-                out.append(f"{name}{key} {was} -> {now}")
+                out.append(f"{name}{key} {was} kept (this run: {now})")
     return out
 
 
