@@ -199,7 +199,7 @@ class TrainConfig:
             this project's CPU it measured slower); the header says which.
         monitor: history column that selects the best weights (default from the task).
         monitor_mode: ``max`` or ``min``; may be left out only for a name ending in ``_loss``
-            (min), ``_accuracy`` or ``_auc`` (max).
+            (min), ``_accuracy``, ``_auc`` or ``_map`` and a number, such as ``_map50`` (max).
         scheduler_interval: step the scheduler every ``epoch`` or every optimizer ``step``.
         early_stop_patience: stop when the monitored value has not improved for this many
             epochs (``None``: train every epoch). A resumed run keeps counting from its best epoch.
@@ -312,7 +312,7 @@ class TrainConfig:
             raise ValueError(
                 f"monitor={self.monitor!r} needs monitor_mode: say whether a higher value is better "
                 f"(monitor_mode='max') or a lower one (monitor_mode='min'); only names ending in "
-                f"{', '.join('_' + w for w in MONITOR_DIRECTIONS)} have a known direction"
+                f"{', '.join('_' + w for w in MONITOR_DIRECTIONS)} or _map and a number (_map50) have a known direction"
                 + (f" (did you mean {near[0]!r}, a column the Trainer writes?)" if near else "")
             )
         _choice("scheduler_interval", self.scheduler_interval, SCHEDULER_INTERVALS)

@@ -13,8 +13,9 @@ skipped; no base class is needed):
   ``nan_policy='skip_step'``: the non-finite losses of the ``nonfinite_over`` processes summed, each
   process's at each step), ``lr`` (the rate the interval's
   last step used), ``samples_per_s`` and, where counted, ``tokens_per_s`` and ``mfu``) as Python
-  numbers: the figures the progress line and TensorBoard show, which are observers of the same
-  points (:mod:`xlatrain.train.observers`). ``samples_per_s`` is ``None`` for an interval that holds
+  numbers: the figures the progress line (its loss is ``epoch_loss``) and TensorBoard (its
+  ``train/loss`` is ``loss``) show, which are observers of the same points
+  (:mod:`xlatrain.train.observers`). ``samples_per_s`` is ``None`` for an interval that holds
   a warm-up step (the fit's first steps, which compile). It runs when the Trainer's own deferred
   read of the interval arrives, so it adds no device read: never read a tensor of the model in it;
 - ``on_epoch_end(trainer, row)``: after each epoch, with its history row (the numbers
