@@ -117,6 +117,17 @@ def test_collectives_every_process_makes_and_a_single_process_stay_quiet():
             xm.rendezvous("first")
     """)
     assert not found(counter, "collective-on-one-process")
+    # both arms make the same collective: every process meets it (only the one the else lacks is said)
+    both = spawned('''
+        if xm.is_master_ordinal():
+            xm.rendezvous("before_save")
+            torch.save({"w": 1}, "w.pt")
+            dist.barrier()
+        else:
+            xm.rendezvous("before_save")
+    ''')
+    said = found(both, "collective-on-one-process")
+    assert len(said) == 1 and "barrier" in said[0][2], said
 
 
 def test_xm_save_under_a_rank_test_is_no_error_on_torch_xla_2_9():

@@ -17,6 +17,7 @@ reduces gradients, steps each process's copy of the model with its own gradients
 from __future__ import annotations
 
 import ast
+import collections
 
 from xlatrain.doctor.script_check.common import (
     XM,
@@ -121,12 +122,17 @@ class RankRules:
         or in a function of the file the branch calls (two levels down)."""
         for branch in (n for n in ast.walk(self.tree) if isinstance(n, ast.If) and self.main_only(n.test)):
             test = ast.unparse(branch.test)
-            for arm, who in ((branch.body, "only the process where it holds"), (branch.orelse, "every process but one")):
-                for node in _walk(arm):
-                    if not isinstance(node, ast.Call):
+            arms = [[(node, coll, via) for node in _walk(arm) if isinstance(node, ast.Call)
+                     for coll, via in self._collectives_reached(node, 2, set())] for arm in (branch.body, branch.orelse)]
+            for (mine, other), who in zip(((arms[0], arms[1]), (arms[1], arms[0])),
+                                          ("only the process where it holds", "every process but one")):
+                # a collective both arms make (the main process's and the others') is met by every process
+                unmatched = collections.Counter(self.call_name(coll) for _, coll, _ in other)
+                for node, coll, via in mine:
+                    if unmatched[self.call_name(coll)] > 0:
+                        unmatched[self.call_name(coll)] -= 1
                         continue
-                    for coll, via in self._collectives_reached(node, 2, set()):
-                        self._add_one_process_collective(node, coll, via, test, who, branch)
+                    self._add_one_process_collective(node, coll, via, test, who, branch)
 
     def _collectives_reached(self, call: ast.Call, depth: int, seen: set[ast.AST]) -> list[tuple[ast.Call, str]]:
         """(collective, how ``call`` reaches it) for ``call`` itself or the collectives in the
