@@ -141,6 +141,40 @@ def test_rows_of_different_widths_are_joined_padded_with_what_each_dtype_can_hol
     assert small.dtype == torch.int64 and small.tolist() == [[1, 1, -100], [1, 1, 1]]  # -100 wrapped to 156 in a uint8
 
 
+def test_a_metric_object_that_joins_processes_itself_is_told_from_one_that_does_not():
+    """On several processes a metric of the user's own is fed every process's rows, unless it
+    joins them itself: one whose compute() all-reduces counted every row twice when fed both."""
+    import torch.distributed as dist
+
+    from xlatrain.train.detection import DetectionMAP
+    from xlatrain.train.metrics import combines_processes
+
+    class Meter:
+        def update(self, preds, targets): ...
+
+        def compute(self):
+            return {"n": 1.0}
+
+    class Reduced(Meter):
+        def compute(self):
+            t = torch.ones(1)
+            if dist.is_initialized():
+                dist.all_reduce(t)
+            return {"n": float(t)}
+
+    class Ported(Meter):
+        def compute(self):
+            import torch_xla.core.xla_model as xm
+            return {"n": xm.mesh_reduce("n", 1.0, sum)}
+
+    class Told(Meter):
+        combines_processes = True
+
+    assert not combines_processes(Meter())
+    assert combines_processes(Reduced()) and combines_processes(Ported()) and combines_processes(Told())
+    assert combines_processes(DetectionMAP())
+
+
 def test_predict_returns_every_row_in_dataset_order(tmp_path):
     data = _classification(29, seed=5)
     trainer = _trainer(tmp_path, batch_size=8)

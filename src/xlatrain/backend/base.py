@@ -152,6 +152,9 @@ class Strategy(Protocol):
     # at a time and activation checkpointing recomputes; the memory plan measures each.
     unit_modules: list[torch.nn.Module]
     activation_checkpointing: bool  # the units recompute their activations during backward
+    # DDP over several processes waits each step for a gradient of every trainable parameter:
+    # the dry run's backward then looks for those none reaches (allow_unused_parameters).
+    checks_unused_parameters: bool
 
     @property
     def is_main(self) -> bool:
@@ -171,6 +174,11 @@ class Strategy(Protocol):
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """The user's module inside whatever prepare_model wrapped it in."""
+        ...
+
+    def allow_unused_parameters(self, model: torch.nn.Module, names: list[str]) -> torch.nn.Module:
+        """``model`` as it trains when the parameters ``names`` (every process's) get no gradient
+        (DDP: wrapped anew to look for them each step); ``model`` itself elsewhere."""
         ...
 
     def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:
@@ -218,7 +226,8 @@ class Strategy(Protocol):
     def host_max(self, values: list[int]) -> list[int]:
         """The largest of each of ``values`` over the processes whose tensors :meth:`all_gather`
         joins (host-side; no device sync): the sizes a batch's rows are padded to before that
-        gather, where each process padded its sequences to its own longest."""
+        gather, where each process padded its sequences to its own longest. ``values`` as given
+        where no host exchange without a device read exists (torch_xla's process per device)."""
         ...
 
     def model_shapes(self, model: torch.nn.Module) -> dict[str, tuple[int, ...]]:

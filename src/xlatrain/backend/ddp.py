@@ -50,10 +50,11 @@ class DDP(EagerStrategy):
         # A model built on the meta device is initialised by every process; DDP then broadcasts
         # process 0's weights, so all start alike.
         model = super().prepare_model(model, precision, init_weights)
-        if self.world_size == 1:
-            return model
+        return model if self.world_size == 1 else self._wrapped(model)
+
+    def _wrapped(self, module: torch.nn.Module, find_unused_parameters: bool = False) -> torch.nn.Module:
         ids = [self._device.index] if self._device.type == "cuda" else None
-        return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        return torch.nn.parallel.DistributedDataParallel(module, device_ids=ids, find_unused_parameters=find_unused_parameters)
 
     def allow_unused_parameters(self, model: torch.nn.Module, names: list[str]) -> torch.nn.Module:
         """``model`` wrapped anew with ``find_unused_parameters=True``, on every process at once (the
@@ -64,11 +65,9 @@ class DDP(EagerStrategy):
         inner = getattr(model, "_orig_mod", model)
         if not isinstance(inner, torch.nn.parallel.DistributedDataParallel) or inner.find_unused_parameters:
             return model
-        module = inner.module
         # The old wrapper's reducer removes its gradient hooks when the caller lets go of it; until
         # then they do nothing (they act only in a backward after the wrapper's own forward).
-        ids = [self._device.index] if self._device.type == "cuda" else None
-        return torch.nn.parallel.DistributedDataParallel(module, device_ids=ids, find_unused_parameters=True)
+        return self._wrapped(inner.module, find_unused_parameters=True)
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         model = super().unwrap(model)

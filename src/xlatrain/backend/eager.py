@@ -26,6 +26,7 @@ class EagerStrategy:
     input_sharding = None
     mesh = None
     devices_per_process = 1
+    checks_unused_parameters = False  # only DDP waits for every parameter's gradient
 
     def __init__(
         self, device: torch.device, processes: Processes, *, units: UnitPolicy = None,
@@ -96,6 +97,9 @@ class EagerStrategy:
 
     def gather_objects(self, obj: Any) -> list[Any]:
         return self._procs.gather_objects(obj)
+
+    def allow_unused_parameters(self, model: torch.nn.Module, names: list[str]) -> torch.nn.Module:
+        return model
 
     def any_process(self, flag: bool) -> bool:
         return self._procs.any_process(flag)

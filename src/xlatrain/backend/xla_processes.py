@@ -53,7 +53,3 @@ class XlaProcesses(XlaStrategy):
 
         return xm.all_gather(tensor, dim=0)
 
-    def host_max(self, values: list[int]) -> list[int]:
-        if self.world_size == 1 or not values:
-            return values
-        return [max(column) for column in zip(*self.gather_objects(list(values)))]  # over the host rendezvous

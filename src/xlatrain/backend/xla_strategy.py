@@ -27,6 +27,7 @@ class XlaStrategy:
     mesh = None
     world_size = num_processes = devices_per_process = counting_processes = 1
     process_index = 0
+    checks_unused_parameters = False  # only DDP waits for every parameter's gradient
 
     def __init__(self, runtime: Any, *, units: UnitPolicy = None, activation_checkpointing: bool = False) -> None:
         self._runtime = runtime
@@ -93,11 +94,17 @@ class XlaStrategy:
         payloads = xm.rendezvous("xlatrain.gather", json.dumps(obj).encode())
         return [json.loads(p) for p in payloads]
 
+    def allow_unused_parameters(self, model: torch.nn.Module, names: list[str]) -> torch.nn.Module:
+        return model
+
     def any_process(self, flag: bool) -> bool:
         return any(self.gather_objects(bool(flag)))
 
     def host_max(self, values: list[int]) -> list[int]:
-        return values  # one process, or SPMD: one program over every device, one shape
+        # One SPMD program has one shape. One process per device: torch_xla's rendezvous (the
+        # only host exchange) syncs the device and reads it, which an evaluation batch must not;
+        # there every process pads evaluation to one length (each new length compiles anyway).
+        return values
 
     def model_shapes(self, model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
         return model_state.full_shapes(model)

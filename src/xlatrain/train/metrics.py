@@ -137,9 +137,27 @@ def gathered(strategy: Strategy, leaves: list[torch.Tensor]) -> list[torch.Tenso
 def combines_processes(metric: Any) -> bool:
     """Whether a streaming metric joins what every process saw by itself at ``compute()``:
     torchmetrics' metrics do (their ``sync``), as does an object that says so with
-    ``combines_processes = True`` (xlatrain's :class:`DetectionMAP`). Any other is fed every
-    process's rows."""
-    return callable(getattr(metric, "sync", None)) or getattr(metric, "combines_processes", False) is True
+    ``combines_processes = True`` (xlatrain's :class:`DetectionMAP`), or whose ``compute`` calls a
+    collective itself (a meter ported from a torch_xla script: ``xm.mesh_reduce``,
+    ``dist.all_reduce``). Any other is fed every process's rows."""
+    if callable(getattr(metric, "sync", None)) or getattr(metric, "combines_processes", False) is True:
+        return True
+    code = getattr(getattr(type(metric), "compute", None), "__code__", None)
+    return code is not None and bool(_COLLECTIVE_NAMES & _names_in(code))
+
+
+# Names a compute() that joins processes itself calls (torch.distributed's and torch_xla's).
+_COLLECTIVE_NAMES = {"all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "reduce_scatter",
+                     "broadcast", "broadcast_object_list", "gather_object", "reduce", "mesh_reduce", "rendezvous"}
+
+
+def _names_in(code: Any) -> set[str]:
+    """The global and attribute names a function's code uses, its nested functions' included."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            names |= _names_in(const)
+    return names
 
 
 # What fills the positions a batch did not have where batches of different widths are joined

@@ -148,7 +148,7 @@ def _training_batch(trainer: Trainer, train_data: Any) -> tuple[perf.StepProfile
 
     # Under DDP over several processes the pass includes its backward (counting the FLOPs too):
     # which trainable parameters no gradient reaches is known only after one.
-    finds_unused = bool(getattr(st, "checks_unused_parameters", False))
+    finds_unused = st.checks_unused_parameters
 
     def profile(measure: Any = None) -> perf.StepProfile:
         return perf.profile_step(module, st.unit_modules, rt.device.type, loss_of(trainer.precision, True),
@@ -209,7 +209,8 @@ class _GradientsReached:
     (the dry run drops the gradients themselves again)."""
 
     def __init__(self, module: torch.nn.Module) -> None:
-        self.names = {p: n for n, p in module.named_parameters() if p.requires_grad}
+        ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))  # DDP never waits for these
+        self.names = {p: n for n, p in module.named_parameters() if p.requires_grad and n not in ignored}
         self.seen: set[torch.nn.Parameter] = set()
         self.hooks = [p.register_post_accumulate_grad_hook(self.seen.add) for p in self.names]
 
@@ -239,7 +240,7 @@ def _validation_batch(trainer: Trainer, val_data: Any) -> list[str] | None:
     ``metrics_fn`` function returned on those rows (``None``: none known)."""
     io, model = trainer.io, trainer.model
     was_training = model.training
-    batch = None
+    batch, rows = None, 2
     try:
         model.eval()
         with torch.no_grad():
@@ -276,15 +277,18 @@ def _validation_batch(trainer: Trainer, val_data: Any) -> list[str] | None:
             # is called on them for the names it returns, which the monitor is checked against; two
             # rows may not be enough for it, so what it raises or warns is not the run's.
             probe = None if trainer.metrics_fn is None or is_streaming(trainer.metrics_fn) else _NamesOf(trainer.metrics_fn)
-            trainer._evaluate(_Head(val_data, 2), probe, forward=model)
+            batch = None  # what fails from here failed in evaluation's own path, on these rows
+            trainer._evaluate(_Head(val_data, rows), probe, forward=model)  # the rows the model took above
             return probe.names if probe is not None else None
         return None
     except ValueError as exc:
         raise ValueError(f"a dry run on one validation batch, before training: {exc}") from None
     except Exception as exc:
         if hasattr(exc, "add_note"):
+            what = f"batch {shapes(batch)}" if batch is not None else \
+                f"the set's first {min(rows, len(val_data))} row(s) through evaluate's own path"
             exc.add_note(f"xlatrain: raised in a dry run on one validation batch, before training: {_who(trainer)}, "
-                         f"batch {shapes(batch)} (eval mode, as evaluation runs it)")
+                         f"{what} (eval mode, as evaluation runs it)")
         raise
     finally:
         model.train(was_training)
