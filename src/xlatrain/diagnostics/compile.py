@@ -12,8 +12,11 @@ logging settings, so it changes no logging configuration and prints nothing:
 - ``torch._dynamo.utils.graph_break_reasons``: one ``GraphCompileReason`` per graph break met while
   compiling: the reason, and the user's stack as ``FrameSummary`` objects (file, line, function).
 - ``torch._dynamo.utils.counters["stats"]["unique_graphs"]``: graphs handed to the backend.
-- ``torch._dynamo.utils.guard_failures``: every guard failure per code object, read only to name the
-  function of a recompile-limit hit, whose metrics dynamo records before it names the code.
+- ``torch._dynamo.utils.guard_failures``: every guard failure per code object, one per compiled
+  version checked, most recently used first: read to name the function of a recompile-limit hit,
+  whose metrics dynamo records before it names the code, and to find why a version for one mode
+  (training, evaluation) compiled again when dynamo's record names only the guard that failed on
+  the first version it checked, another mode's.
 
 A step that compiles nothing runs no code of this module, so the steady state costs nothing.
 ``torch._dynamo`` is imported by :meth:`CompileWatch.start`, not at import. Torch 2.9 keeps the same
@@ -27,13 +30,18 @@ Example::
     try:
         for epoch in range(1, epochs + 1):
             train_one_epoch(compiled_model)
-            row = watch.end_epoch(epoch)  # the first call ends warm-up
+            row = watch.end_epoch(epoch)  # the first epoch is warm-up, unless told otherwise
             if strict and (error := watch.strict_error()):
                 raise RuntimeError(error)
     finally:
         watch.stop()
     for finding in watch.findings():
         print(finding.title, finding.evidence, finding.fix, sep="\\n")
+
+Told where a run is (:meth:`CompileWatch.at`: the phase, training or evaluation, and whether its
+warm-up steps are under way), as ``RunDiagnostics`` tells it, the watch judges the first epoch
+finer: there a clean run compiles each function's first version per phase, and any other
+recompilation after the warm-up steps is one after warm-up.
 """
 
 from __future__ import annotations
@@ -64,6 +72,7 @@ _HINT = re.compile(r"\(HINT: (?P<hint>.*)\)\s*$")
 _COMMENT = re.compile(r"#.*#\s*(?P<path>\S+):(?P<line>\d+) in (?P<func>\S+)\s*$")
 _LIMIT = re.compile(r"recompile[_ ]limit|cache[_ ]size[_ ]limit", re.IGNORECASE)
 _RESUME = re.compile(r"^torch_dynamo_resume_in_(?P<func>.+)_at_(?P<line>\d+)$")
+_ENTRY = re.compile(r"^\s*\[?(?P<frame>\d+)/(?P<version>\d+)\]?:")  # the compiled version a guard failure is of
 
 
 @dataclass(frozen=True)
@@ -141,6 +150,10 @@ class _Compile:
     seconds: float
     limit: int | None
     expected: bool = False  # the first version for evaluation (no_grad, model.eval()) of a function
+    late: bool = False  # after warm-up: a later epoch, or the first one after its warm-up steps
+    # For a version of one mode compiled again while dynamo names only another mode's version's
+    # mode guard: the guard that failed on another version (that mode's own), which is the cause.
+    cause: str | None = None
 
     @property
     def recompile(self) -> bool:
@@ -161,15 +174,17 @@ class _Break:
     inner: _Site | None  # where dynamo stopped, when that is library code called from ``at``
     reason: str
     periods: list[int] = field(default_factory=list)
+    late: int = 0  # of those compilations, how many after warm-up
 
 
 class CompileWatch:
     """Collects torch.compile's evidence during a run and turns it into findings.
 
     Start it before the first compiled call, call :meth:`end_epoch` after each epoch (the first
-    call ends warm-up) and :meth:`stop` at the end of the run, also when the run fails. It adds one
-    callback to ``torch._dynamo.callback_handler`` and removes it on ``stop``; it changes no
-    logging and no dynamo config.
+    call ends warm-up) and :meth:`stop` at the end of the run, also when the run fails; a training
+    loop that calls :meth:`at` whenever its phase or warm-up changes makes the first epoch's warm-up
+    its warm-up steps. It adds one callback to ``torch._dynamo.callback_handler`` and removes it on
+    ``stop``; it changes no logging and no dynamo config.
     """
 
     def __init__(self) -> None:
@@ -188,6 +203,12 @@ class CompileWatch:
         self._frames: dict[str, tuple[str, str, int]] = {}  # frame id -> (function, file, first line)
         self._compiles: list[_Compile] = []
         self._modes: set[tuple[Any, ...]] = set()  # (function, file, guard) that compiled for a mode
+        self._versions: set[tuple[Any, ...]] = set()  # (function, file, phase) compiled in a phase
+        self._phase: str | None = None  # "train" or "eval" while a pass runs, when told (at)
+        self._warm = True  # in warm-up: the first epoch, or its warm-up steps once told (at)
+        self._warm_s = 0.0  # compile seconds in warm-up, backward graphs included
+        self._last_late = False  # whether the last forward graph read compiled after warm-up
+        self._failures_read: dict[Any, int] = {}  # code -> guard_failures entries already matched
         self._breaks: dict[tuple[str, str, int], _Break] = {}
         self._seconds: dict[int, float] = {}  # compile seconds per period, backward graphs included
         self._lost = False
@@ -245,6 +266,23 @@ class CompileWatch:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+    def at(self, phase: str | None, warm_up: bool) -> None:
+        """Where the run is now: what compiles from here on is booked to it.
+
+        Without these calls everything before the first :meth:`end_epoch` is warm-up. With them,
+        a recompilation in the first epoch outside its warm-up steps is one after warm-up, unless
+        it is a function's first version in its phase (evaluation's own version of ``forward``).
+        Call it only when something changes: it reads dynamo's records first.
+
+        Args:
+            phase: ``"train"`` or ``"eval"`` while a pass runs; None between passes.
+            warm_up: whether the run's warm-up steps (its first optimizer steps) are under way.
+        """
+        if (phase, warm_up) == (self._phase, self._warm):
+            return
+        self._harvest()  # what compiled so far happened where the run was before
+        self._phase, self._warm = phase, warm_up
 
     def end_epoch(self, epoch: int) -> dict[str, Any]:
         """This epoch's torch.compile numbers; the first call ends warm-up.
@@ -306,8 +344,13 @@ class CompileWatch:
         if len(reasons) < self._breaks_read:
             self._reset_seen = True
             self._breaks_read = 0
+        # A graph break is recorded while its frame compiles, before the frame's metrics: the
+        # frames read above (each compilation's start reads what the last one left) are where
+        # these breaks were met.
+        met_late = self._last_late if any(getattr(r, "is_forward", True) is not False for r in new) \
+            else not self._in_warm_up()
         for reason in reasons[self._breaks_read:]:
-            self._read_break(reason)
+            self._read_break(reason, met_late)
         self._breaks_read = len(reasons)
 
     def _remember_frame(self, record: Any) -> None:
@@ -321,6 +364,7 @@ class CompileWatch:
             # The backward graph, compiled at the first backward(): its time only.
             backward_us = getattr(record, "backward_cumulative_compile_time_us", None) or 0
             self._seconds[self._period] = self._seconds.get(self._period, 0.0) + backward_us / 1e6
+            self._warm_s += backward_us / 1e6 if self._period == 0 and not self._last_late else 0.0
             return
         seconds = float(getattr(record, "entire_frame_compile_time_s", None) or 0.0)
         self._seconds[self._period] = self._seconds.get(self._period, 0.0) + seconds
@@ -331,6 +375,8 @@ class CompileWatch:
         if failure is not None:
             kind = "limit" if _LIMIT.search(_first_line(failure)) else "skipped"
         elif getattr(record, "has_guarded_code", True) is False:
+            self._last_late = not self._in_warm_up()
+            self._warm_s += 0.0 if self._last_late else seconds
             return  # a frame with nothing to compile runs as it is: nothing to report
         else:
             kind = "compile"
@@ -343,18 +389,73 @@ class CompileWatch:
             fail_at = _Site(record.fail_user_frame_filename, int(record.fail_user_frame_lineno or 0), name or "?")
         # Evaluation (no_grad, model.eval()) compiles its own version of each function the first
         # time it runs, in whichever epoch that is: how a clean run starts, not something to fix.
-        expected = False
-        if kind == "compile" and reason and _parse_guard(reason)["kind"] == "mode":
-            mode = (name, file, _parse_guard(reason)["text"])
-            expected = mode not in self._modes
-            self._modes.add(mode)
+        # Dynamo names only the first guard that failed on the version it checked first (the most
+        # recently used), which for that first evaluation call may be another than the mode's: the
+        # phase, where told, says it too.
+        expected, cause = False, None
+        version = (name, file, self._phase)
+        guard = _parse_guard(reason) if reason else None
+        if kind == "compile" and guard is not None:
+            if guard["kind"] == "mode":
+                mode = (name, file, guard["text"])
+                expected = mode not in self._modes
+                self._modes.add(mode)
+            expected = expected or (self._phase is not None and version not in self._versions)
+        if guard is not None:
+            older = self._older_failures((name, file, line), compile_id, reason)  # each one, in order
+            if kind == "compile" and guard["kind"] == "mode" and not expected:
+                cause = next((t for t in older if _parse_guard(t)["kind"] not in ("mode", "unknown")), None)
+        if kind == "compile" and self._phase is not None:
+            self._versions.add(version)
+        # In the first epoch, a function's first version (per phase) is warm-up wherever it compiles.
+        late = self._period > 0 or not (self._warm or (kind == "compile" and (expected or not reason)))
+        self._last_late = late  # the backward graph's record follows its forward's
+        self._warm_s += 0.0 if late else seconds
         self._compiles.append(_Compile(
             period=self._period, compile_id=compile_id, kind=kind, function=name or "?", file=file, line=line,
             reason=reason, failure=failure, fail_at=fail_at, seconds=seconds, limit=_recompile_limit(failure),
-            expected=expected,
+            expected=expected, late=late, cause=cause,
         ))
 
-    def _read_break(self, reason: Any) -> None:
+    def _in_warm_up(self) -> bool:
+        return self._period == 0 and self._warm
+
+    def _older_failures(self, where: tuple[Any, ...], compile_id: str, reason: str) -> list[str]:
+        """The guards that failed on the other compiled versions of a recompiled frame, besides the
+        one dynamo's record names (``reason``, that of the version it checked first).
+
+        Dynamo appends to ``guard_failures`` one failure per version it checked, most recently used
+        first, each led by that version's compile id: this compilation's follow ``reason``, each of
+        another version older than this one. Read for every recompilation in turn, so that each
+        finds its own.
+        """
+        from torch._dynamo import utils
+
+        this = re.match(r"\D*(\d+)/(\d+)", compile_id)
+        for code, failures in list(utils.guard_failures.items()):
+            if (code.co_name, code.co_filename, code.co_firstlineno) != where:
+                continue
+            start = self._failures_read.get(code, 0)
+            if start > len(failures):  # torch._dynamo.reset() cleared them
+                start = 0
+            for i in range(start, len(failures)):
+                if failures[i] != reason:
+                    continue
+                older: list[str] = []
+                first = _ENTRY.match(reason)
+                seen = {first["version"]} if first else set()
+                for text in failures[i + 1:]:
+                    entry = _ENTRY.match(text)
+                    if not (entry and first and this and entry["frame"] == first["frame"] == this[1]
+                            and entry["version"] not in seen and int(entry["version"]) < int(this[2])):
+                        break
+                    older.append(text)
+                    seen.add(entry["version"])
+                self._failures_read[code] = i + 1 + len(older)
+                return older
+        return []
+
+    def _read_break(self, reason: Any, late: bool) -> None:
         text = str(getattr(reason, "reason", "") or "")
         if text.startswith("DDPOptimizer"):
             return  # DDP splits the graph at its gradient buckets on purpose
@@ -369,6 +470,7 @@ class CompileWatch:
         key = (kind, at.file if at else "?", at.line if at else 0)
         entry = self._breaks.setdefault(key, _Break(kind=kind, at=at, caller=caller, inner=inner, reason=text))
         entry.periods.append(self._period)
+        entry.late += late
 
     def _user_site(self, sites: list[_Site]) -> tuple[_Site | None, _Site | None]:
         """The innermost frame that is not torch's, the standard library's or xlatrain's (the
@@ -419,7 +521,7 @@ class CompileWatch:
         for b in sites[:MAX_SITES]:
             where = f"{b.at} in {b.at.func}" if b.at else "a line dynamo did not record"
             source = b.at.source() if b.at else ""
-            late = sum(1 for p in b.periods if p > 0)
+            late = b.late
             explanation = _explanation(b.reason)
             evidence = (
                 where + (f": `{source}`" if source else "")
@@ -445,7 +547,7 @@ class CompileWatch:
                 "; ".join(f"{b.at}: {_BREAK_WHAT.get(b.kind) or _first_line(b.reason)} ({len(b.periods)}x)"
                           for b in rest),
                 "Fix the sites above first: one graph break often causes the next.",
-            ), any(p > 0 for b in rest for p in b.periods)))
+            ), any(b.late for b in rest)))
         return out
 
     def _guard_site(self, guard: dict[str, Any], c: _Compile) -> _Site | None:
@@ -466,10 +568,10 @@ class CompileWatch:
         for c in self._compiles:
             if not c.unexpected:
                 continue
-            guard = _parse_guard(c.reason)
+            guard = _parse_guard(c.cause or c.reason)
             key = (c.function, c.file, guard["kind"], guard["subject"])
             g = groups.setdefault(key, {"events": [], "guard": guard, "values": [], "changes": [], "compile": c,
-                                        "user": self._guard_site(guard, c)})
+                                        "user": self._guard_site(guard, c), "reset": self._reset_seen})
             g["events"].append(c)
             for name, item in (("values", guard["value"]), ("changes", guard["change"])):
                 if item is not None and item not in g[name]:
@@ -481,11 +583,12 @@ class CompileWatch:
         extra: list[dict[str, Any]] = []
         for g in self._recompile_groups():
             guard, events = g["guard"], g["events"]
-            late = [c for c in events if c.period > 0]
+            late = [c for c in events if c.late]
             if len(out) >= MAX_SITES:
                 extra.append(g)
                 continue
-            warm = [c for c in events if c.period == 0]
+            warm = [c for c in events if not c.late]
+            other_mode = [c for c in events if c.cause]
             epochs = sorted({self._epoch_of(c.period) for c in late})
             when = ", ".join(part for part in (
                 f"{len(warm)} in warm-up (epoch {self._epoch_of(0)})" if warm else "",
@@ -498,19 +601,24 @@ class CompileWatch:
             evidence = (
                 f"guard {guard['text']!r} failed"
                 + (f" at {user} (`{user.source()}`)" if user else "")
-                + f"; {detail}; {len(events)} recompilation(s): {when}; "
+                + f"; {detail}"
+                + (f"; for {len(other_mode)} of them dynamo names the guard "
+                   f"{_parse_guard(other_mode[0].reason)['text']!r}, which failed on a version of the other mode "
+                   "(training and evaluation each compile their own); the guard above failed on their own mode's "
+                   "version, so this same change compiled them again" if other_mode else "")
+                + f"; {len(events)} recompilation(s): {when}; "
                 f"{sum(c.seconds for c in events):.2f} s compiling"
                 + (f"; torch's hint: {guard['hint']}" if guard["hint"] else "")
             )
             out.append((Finding("recompilation", f"{len(events)} recompilation(s) of {where}: {subject}",
-                                evidence, _recompile_fix(guard)), bool(late)))
+                                evidence, _recompile_fix(guard, reset=g["reset"])), bool(late)))
         if extra:
             out.append((Finding(
                 "recompilation", f"{len(extra)} more guard(s) that failed",
                 "; ".join(f"{self._function_site(g['compile'])}: {g['guard']['text']!r} ({len(g['events'])}x)"
                           for g in extra),
                 "Fix the recompilations above first; each new shape or Python value compiles a new graph.",
-            ), any(c.period > 0 for g in extra for c in g["events"])))
+            ), any(c.late for g in extra for c in g["events"])))
         return out
 
     def _limit_findings(self) -> list[tuple[Finding, bool]]:
@@ -525,11 +633,11 @@ class CompileWatch:
                 "recompile-limit",
                 f"torch.compile reached its recompile limit{f' ({c.limit})' if c.limit else ''} on "
                 f"{self._function_site(c)}: calls that match none of its compiled versions run eagerly",
-                f"epoch {self._epoch_of(c.period)}{' (warm-up)' if c.period == 0 else ''}; {last}"
+                f"epoch {self._epoch_of(c.period)}{'' if c.late else ' (warm-up)'}; {last}"
                 + (f" at {user} (`{user.source()}`)" if user else ""),
-                (_recompile_fix(guard) + " " if c.reason else "")
+                (_recompile_fix(guard, reset=self._reset_seen) + " " if c.reason else "")
                 + "Raising torch._dynamo.config.recompile_limit only delays the fallback.",
-            ), c.period > 0))
+            ), c.late))
         return out
 
     def _skip_findings(self) -> list[tuple[Finding, bool]]:
@@ -549,7 +657,7 @@ class CompileWatch:
                    if "graph break in loop" in failure else "")
             )
             out.append((Finding("compile-skipped", f"torch.compile skipped {self._function_site(c)}: it runs eagerly",
-                                evidence, _break_fix(_break_kind(failure), failure)), c.period > 0))
+                                evidence, _break_fix(_break_kind(failure), failure)), c.late))
         return out
 
     def _function_site(self, c: _Compile) -> str:
@@ -569,9 +677,9 @@ class CompileWatch:
         """What needs no change, or what could not be told."""
         self._harvest()
         out = []
-        warm = [c for c in self._compiles if c.period == 0 and c.kind == "compile"]
+        warm = [c for c in self._compiles if not c.late and c.kind == "compile"]
         if warm:
-            out.append(f"torch.compile warm-up: {len(warm)} compilation(s), {self._seconds.get(0, 0.0):.1f} s")
+            out.append(f"torch.compile warm-up: {len(warm)} compilation(s), {self._warm_s:.1f} s")
         expected = [c for c in self._compiles if c.expected]
         if expected:
             epochs = sorted({self._epoch_of(c.period) for c in expected})
@@ -596,10 +704,12 @@ class CompileWatch:
 
         Keys: ``graphs``, ``compilations``, ``recompilations`` (all), ``recompilations_for_evaluation``
         (the first version of a function for no_grad / model.eval(), as a clean run compiles), and
-        ``recompilations_after_warm_up`` (the others, after the first epoch),
+        ``recompilations_after_warm_up`` (the others, after the first epoch, or after its warm-up
+        steps when told by :meth:`at`),
         ``graph_breaks`` (met while compiling), ``graph_break_sites``, ``recompile_limit_hits``,
         ``skipped``, ``compile_s`` and ``events``: one per compilation (epoch, function, file:line,
-        kind, the guard that failed, seconds), the first ``MAX_EVENTS``.
+        kind, the guard that failed, seconds; ``cause``: the guard that failed on the version of the
+        call's own mode, where dynamo named another mode's), the first ``MAX_EVENTS``.
         """
         self._harvest()
         compiles = self._compiles
@@ -608,17 +718,18 @@ class CompileWatch:
             "compilations": sum(1 for c in compiles if c.kind == "compile"),
             "recompilations": sum(1 for c in compiles if c.recompile),
             "recompilations_for_evaluation": sum(1 for c in compiles if c.expected),
-            "recompilations_after_warm_up": sum(1 for c in compiles if c.unexpected and c.period > 0),
+            "recompilations_after_warm_up": sum(1 for c in compiles if c.unexpected and c.late),
             "graph_breaks": sum(len(b.periods) for b in self._breaks.values()),
             "graph_break_sites": len(self._breaks),
             "recompile_limit_hits": sum(1 for c in compiles if c.kind == "limit"),
             "skipped": sum(1 for c in compiles if c.kind == "skipped"),
             "compile_s": round(sum(self._seconds.values()), 3),
             "events": [
-                {"epoch": self._epoch_of(c.period), "warm_up": c.period == 0, "compile_id": c.compile_id,
+                {"epoch": self._epoch_of(c.period), "warm_up": not c.late, "compile_id": c.compile_id,
                  "kind": c.kind, "function": c.function,
                  "at": f"{_short(c.file)}:{c.line}" if c.file else None,
                  "guard_failed": _parse_guard(c.reason)["text"] if c.reason else None,
+                 **({"cause": _parse_guard(c.cause)["text"]} if c.cause else {}),
                  "failure": _first_line(c.failure) or None, "seconds": round(c.seconds, 3)}
                 for c in compiles[:MAX_EVENTS]
             ],
@@ -808,13 +919,16 @@ def _describe_guard(group: dict[str, Any]) -> tuple[str, str]:
                 "then; another value compiled it again")
     if kind == "mode":
         return ("grad mode or train/eval mode changed after warm-up",
-                "training and evaluation each compile their version once in warm-up; this one compiled again later")
+                "training and evaluation each compile their version once, the first time each runs; this one "
+                "compiled again, and dynamo recorded only the mode guard of another mode's version, not why this "
+                "mode's own version no longer fitted" + ("" if group.get("reset") else
+                                                          " (TORCH_LOGS=recompiles_verbose lists every version's)"))
     if kind == "unknown":
         return "dynamo did not record which guard failed", "no guard failure was recorded"
     return f"guard {guard['text']!r} failed", "a condition the compiled graph assumed no longer held"
 
 
-def _recompile_fix(guard: dict[str, Any]) -> str:
+def _recompile_fix(guard: dict[str, Any], reset: bool = False) -> str:
     kind = guard["kind"]
     if kind == "tensor" and guard.get("what") == "size":
         return ("Keep every batch one shape: drop_last=True for training (the Trainer's samplers do), pad the "
@@ -831,7 +945,12 @@ def _recompile_fix(guard: dict[str, Any]) -> str:
     if kind == "stack":
         return ("Keep values read from tensors (.item(), .tolist(), int(t)) out of the compiled code: compute "
                 "with the tensor itself, decide with torch.where or torch.cond, or read it after the step.")
+    if kind == "mode" and reset:
+        return ("Keep the compiled training and evaluation versions: do not call torch._dynamo.reset() during "
+                "the run.")
     if kind == "mode":
-        return ("Keep the compiled training and evaluation versions: do not call torch._dynamo.reset() or lower "
-                "torch._dynamo.config.recompile_limit during the run.")
+        return ("Run with TORCH_LOGS=recompiles_verbose to see the guard that failed on this mode's own version, "
+                "and keep what it tests the same on every call (or make it a tensor input); call the compiled "
+                "model only in the modes the Trainer uses (model.train() with gradients, model.eval() under "
+                "no_grad).")
     return (f"Keep what the guard {guard['text']!r} tests the same on every call, or make it a tensor input.")

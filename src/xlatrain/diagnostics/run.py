@@ -328,6 +328,9 @@ class RunDiagnostics:
 
         planned = self._runtime.planned_reads
         warm_until = first_step + warm_steps
+        # torch.compile's watch books each compilation to the phase and, in the fit's first training
+        # pass, to its warm-up steps (the Trainer's first optimizer steps) or after them.
+        warming = self._compile is not None and phase == "train" and first_pass and epoch == self._first_epoch
 
         def allowed() -> int:
             # A step whose batch has a shape of its own compiles for that reason, whatever else it does.
@@ -359,6 +362,8 @@ class RunDiagnostics:
                 state.active_s += time.perf_counter() - t0
                 if step >= first_step:
                     self._probe(epoch, phase, step, inputs, allowed())
+                if self._compile is not None:
+                    self._compile.at(None, False)  # between passes: past any warm-up steps
                 return
             state.wait_s += time.perf_counter() - t0
             # Graphs compiled since the last probe belong to the previous step: its body ran since,
@@ -368,6 +373,8 @@ class RunDiagnostics:
             else:
                 self._probe(epoch, None, None, None, between)
             step += 1
+            if self._compile is not None and (step == first_step or (warming and step <= warm_until)):
+                self._compile.at(phase, warming and step < warm_until)  # reads dynamo only on a change
             state.batches += 1
             inputs = self._compare(state, phase, epoch, step, _signature(batch), opening=step == first_step)
             if phase == "train":
