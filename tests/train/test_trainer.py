@@ -173,6 +173,16 @@ def test_a_metric_object_that_joins_processes_itself_is_told_from_one_that_does_
     assert not combines_processes(Meter())
     assert combines_processes(Reduced()) and combines_processes(Ported()) and combines_processes(Told())
     assert combines_processes(DetectionMAP())
+    # Fed every process's rows, a meter needs tensors to gather: a detector's dicts are refused in
+    # the dry run, before training, on several processes only, and not where it joins them itself.
+    from xlatrain.train.metrics import check_gatherable
+
+    dicts = [{"boxes": torch.zeros(1, 4), "labels": torch.zeros(1)}]
+    with pytest.raises(ValueError, match="not tensors of rows.*combines_processes = True"):
+        check_gatherable(Meter(), 2, dicts, dicts)
+    check_gatherable(Meter(), 1, dicts, dicts)
+    check_gatherable(Told(), 2, dicts, dicts)
+    check_gatherable(Meter(), 2, torch.zeros(2, 3), torch.zeros(2))
 
 
 def test_predict_returns_every_row_in_dataset_order(tmp_path):

@@ -146,6 +146,34 @@ def combines_processes(metric: Any) -> bool:
     return code is not None and bool(_COLLECTIVE_NAMES & _names_in(code))
 
 
+def check_gatherable(metric: Any, num_processes: int, predictions: Any, targets: Any) -> None:
+    """Refuse a metric object the Trainer would have to feed every process's rows (see
+    :func:`combines_processes`) where they are not all tensors, which it cannot gather."""
+    if not is_streaming(metric) or num_processes == 1 or combines_processes(metric):
+        return
+    if not (_rows_of_tensors(predictions) and _rows_of_tensors(targets)):
+        raise ValueError(
+            f"metrics_fn {metric!r} is a metric object fed batch by batch on {num_processes} processes, and its "
+            "predictions or targets are not tensors of rows (a list of per-sample items, a detector's dicts), "
+            "so the Trainer cannot gather them: each process would "
+            "compute it on its own rows and the processes would disagree. Give it combines_processes = True and "
+            "join the processes in its compute() (torch.distributed.all_gather_object), as torchmetrics' "
+            "metrics and xlatrain.DetectionMAP do"
+        )
+
+
+def _rows_of_tensors(tree: Any) -> bool:
+    """A tensor with rows, or a mapping / tuple / dataclass of them: what a gather joins by rows.
+    A list is taken for per-sample items (a detector's images or dicts), which it cannot join."""
+    if isinstance(tree, torch.Tensor):
+        return tree.dim() > 0
+    if isinstance(tree, Mapping):
+        return all(_rows_of_tensors(v) for v in tree.values())
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        return all(_rows_of_tensors(getattr(tree, f.name)) for f in dataclasses.fields(tree))
+    return isinstance(tree, tuple) and all(_rows_of_tensors(v) for v in tree)
+
+
 # Names a compute() that joins processes itself calls (torch.distributed's and torch_xla's).
 _COLLECTIVE_NAMES = {"all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "reduce_scatter",
                      "broadcast", "broadcast_object_list", "gather_object", "reduce", "mesh_reduce", "rendezvous"}
@@ -306,15 +334,8 @@ class EvalAccumulator:
             self.rows.add(pad_rows((kept, targets), rows, self.full_rows))
 
     def _update_from_every_process(self, predictions: Any, targets: Any, rows: int) -> None:
+        check_gatherable(self.streaming, self.layout.num_processes, predictions, targets)
         leaves, spec = tree_flatten(pad_rows((predictions, targets), rows, self.full_rows))
-        if not all(isinstance(t, torch.Tensor) for t in leaves):
-            raise TypeError(
-                f"metrics_fn {self.streaming!r} is a metric object fed batch by batch on {self.layout.num_processes} "
-                "processes, and its predictions or targets are not all tensors, so the Trainer cannot gather "
-                "them: each process would compute it on its own rows and the processes would disagree. Give it "
-                "combines_processes = True and join the processes in its compute() (torch.distributed."
-                "all_gather_object), as torchmetrics' metrics and xlatrain.DetectionMAP do"
-            )
         every = gathered(self._strategy, leaves)
         # Batch k arrives as [process 0's rows, process 1's rows, ...]; each process's real ones first.
         real = [counts[self._batches] for counts in self._every_count]

@@ -31,7 +31,7 @@ from xlatrain.train.checks import (
 from xlatrain.train.feed import first_batch
 from xlatrain.train.losses import EvalLoss
 from xlatrain.train.metrics import (
-    as_float, default_monitor, is_streaming, metric_numbers, task_from_shapes, without_caches,
+    as_float, check_gatherable, default_monitor, is_streaming, metric_numbers, task_from_shapes, without_caches,
 )
 from xlatrain.train.model_io import no_grad_message, own_loss_terms
 
@@ -262,6 +262,7 @@ def _validation_batch(trainer: Trainer, val_data: Any) -> list[str] | None:
                     if rows >= min(full, len(val_data)):
                         raise
             predictions = io.predictions(outputs)
+            check_gatherable(trainer.metrics_fn, trainer.strategy.num_processes, predictions, targets)
             trainer._eval_loss = _eval_loss(trainer, outputs, predictions, targets)
             if trainer._eval_loss.note:
                 trainer._say(trainer._eval_loss.note)
