@@ -89,10 +89,12 @@ class Plain(nn.Module):
 
 
 class Scaled(nn.Module):
-    def __init__(self) -> None:
+    """A linear layer times a plain float attribute: a value dynamo bakes into the graph."""
+
+    def __init__(self, inputs: int = 4, outputs: int = 4, scale: float = 0.5) -> None:
         super().__init__()
-        self.lin = nn.Linear(4, 4)
-        self.scale = 0.5
+        self.lin = nn.Linear(inputs, outputs)
+        self.scale = scale
 
     def forward(self, x):
         return self.lin(x) * self.scale

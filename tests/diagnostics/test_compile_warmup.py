@@ -16,28 +16,10 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from test_compile_diagnostics import BACKEND, Scaled, fresh_dynamo  # noqa: F401 (an autouse fixture)
 from xlatrain import TrainConfig, Trainer
 from xlatrain.diagnostics.compile import CompileWatch
 from xlatrain.diagnostics.run import DiagnosticsError
-
-BACKEND = "aot_eager"
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
-class Scaled(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-        self.scale = 0.5
-
-    def forward(self, x):
-        return self.lin(x) * self.scale
 
 
 def train_steps(watch: CompileWatch, model: nn.Module, compiled: nn.Module, sizes: list[int],
@@ -145,16 +127,6 @@ def test_a_mode_recompilation_without_another_cause_blames_no_reset_that_did_not
     assert "torch._dynamo.reset()" not in finding.fix and "model.train() with gradients" in finding.fix
 
 
-class Flip(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(8, 3)
-        self.scale = 1.0
-
-    def forward(self, x):
-        return self.lin(x) * self.scale
-
-
 class ScaleAt:
     """Sets a plain float on the model when the run reaches ``global_step``."""
 
@@ -174,7 +146,7 @@ def _data(n: int, seed: int) -> TensorDataset:
 
 def test_strict_raises_on_a_recompilation_after_the_warm_up_steps_of_the_first_epoch(tmp_path):
     torch.manual_seed(0)
-    trainer = Trainer(Flip(), nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.05),
+    trainer = Trainer(Scaled(8, 3, scale=1.0), nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.05),
                       config=TrainConfig(compile=True, strict=True, epochs=1, batch_size=16, log_every=5,
                                          num_workers=0, run_dir=str(tmp_path)),
                       accelerator="cpu", callbacks=[ScaleAt(10)])  # step 11 of 20 compiles again
