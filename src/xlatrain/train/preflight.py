@@ -67,7 +67,7 @@ def prepare(trainer: Trainer, train_data: Any, val_data: Any | None) -> tuple[pe
     gathered = st.gathered_bytes(trainer.model, trainer.precision)
     rng, host_rng = rt.rng_state(), host_rng_state()
     names = None  # what metrics_fn returns, from this fit's own validation batch
-    trainer._unused_parameters = []  # trainable parameters no gradient reached: DDP's reducer is told of them
+    trainer._unused_parameters = []  # found again by this fit's dry run (DDP's reducer is told of them)
     try:
         profile, flops, flops_source, tokens = _training_batch(trainer, train_data)
         if val_data is not None:

@@ -256,6 +256,7 @@ class Trainer:
         self._step_lr: Any = None  # the learning rate the last training step used
         self._resumed_from: Path | None = None  # the checkpoint this fit continues (set by resume)
         self._eval_loss: EvalLoss | None = None
+        self._unused_parameters: list[str] = []  # trainable parameters the dry run's backward gave no gradient
         self._dir = RunDirectory(cfg.run_dir, self.strategy, self._say)  # chosen and locked by fit
         self._nonfinite: tuple[int, int, int, int] | None = None  # set by a deferred read
         self._group: SkippedGroup | None = None  # skip_step's accumulation group under way
