@@ -308,6 +308,30 @@ def test_a_model_written_for_its_batch_size_passes_the_checks_before_training(tm
     assert row["train_loss"] > 0 and 0 <= row["val_accuracy"] <= 1
 
 
+class _FixedBatchOwnLoss(_FixedBatch):
+    def forward(self, x, y):
+        return {"loss": nn.functional.cross_entropy(super().forward(x), y)}
+
+
+def test_a_model_written_for_its_batch_size_on_its_own_loss_with_a_partial_last_batch_is_refused_before_training(tmp_path):
+    # Its own loss cannot leave padding rows out, so evaluation cuts them: a last batch of 5 rows
+    # failed at the first evaluation, after epoch 1 had trained.
+    def fit(model, loss_fn, val):
+        trainer = Trainer(model, loss_fn, functools.partial(torch.optim.SGD, lr=0.1),
+                          config=TrainConfig(epochs=1, batch_size=BATCH, run_dir=str(tmp_path / "run"),
+                                             tensorboard=False), backend="cpu")
+        return trainer.fit(_data(), val)
+
+    with pytest.raises(ValueError, match=rf"takes a full batch of {BATCH} rows but failed on 5 .*ends with a batch of 5 "
+                                         rf"real row\(s\).*Pass a loss_fn.*multiple of {BATCH}") as caught:
+        fit(_FixedBatchOwnLoss(), None, _data(BATCH + 5, seed=1))
+    assert "before training" in str(caught.value)
+    assert not (tmp_path / "run" / "history.json").exists()
+    # The fixes it names work: a set of whole batches, or a loss_fn (padding rows masked, not cut).
+    assert fit(_FixedBatchOwnLoss(), None, _data(2 * BATCH, seed=1))[-1]["val_loss"] > 0
+    assert fit(_FixedBatch(), nn.CrossEntropyLoss(), _data(BATCH + 5, seed=1))[-1]["val_loss"] > 0
+
+
 def test_a_callback_without_any_hook_is_refused_at_once(tmp_path):
     with pytest.raises(TypeError, match="has none of the methods on_fit_start"):
         _trainer(tmp_path, callbacks=[object()])

@@ -28,7 +28,8 @@ from xlatrain.train.checks import (
     refuse_broadcast_loss,
     shapes,
 )
-from xlatrain.train.feed import first_batch
+from xlatrain.data.sampling import EvalSampler
+from xlatrain.train.feed import first_batch, loader_layout
 from xlatrain.train.losses import EvalLoss
 from xlatrain.train.metrics import (
     as_float, check_gatherable, default_monitor, is_streaming, metric_numbers, task_from_shapes, without_caches,
@@ -261,6 +262,8 @@ def _validation_batch(trainer: Trainer, val_data: Any) -> list[str] | None:
                     # batch to the full size, so that decides (as in the training dry run).
                     if rows >= min(full, len(val_data)):
                         raise
+            if rows != 2 and io.own_loss:
+                _check_trimmed_batches(trainer, val_data)
             predictions = io.predictions(outputs)
             check_gatherable(trainer.metrics_fn, trainer.strategy.num_processes, predictions, targets)
             trainer._eval_loss = _eval_loss(trainer, outputs, predictions, targets)
@@ -293,6 +296,29 @@ def _validation_batch(trainer: Trainer, val_data: Any) -> list[str] | None:
         raise
     finally:
         model.train(was_training)
+
+
+def _check_trimmed_batches(trainer: Trainer, val_data: Any) -> None:
+    """A model that failed on 2 rows and took a full batch, scored on its own loss: evaluation cuts
+    the padding rows off a last, partial batch (the loss cannot leave them out), so each such size
+    is tried now, where it failed after the first epoch had trained."""
+    layout = loader_layout(trainer.strategy, trainer.config.eval_batch_size or trainer.config.batch_size)
+    full = layout["loader_batch"]
+    counts = EvalSampler(len(val_data), **layout).valid_counts(trainer.strategy.process_index)
+    for rows in sorted({max(c, 1) for c in counts} - {full}):
+        host = first_batch(val_data, rows=rows, collate_fn=trainer._eval_collate)
+        batch = trainer._on_device(to_device(trainer, host), training=False)
+        try:
+            with trainer.precision.autocast():
+                trainer.io.call(trainer.model, batch)
+        except Exception as exc:
+            raise ValueError(
+                f"the model takes a full batch of {full} rows but failed on {rows} ({type(exc).__name__}: {exc}), "
+                f"and the validation set of {len(val_data):,} samples ends with a batch of {rows} real row(s) on this "
+                "process. Under the model's own loss evaluation cannot keep padding rows (the loss would count "
+                f"them), so it cuts them. Pass a loss_fn (padding rows are then left out of the loss on the device "
+                f"and every batch keeps {full} rows), or a validation set whose length is a multiple of "
+                f"{full * trainer.strategy.num_processes}") from exc
 
 
 # Host memory a whole-set loss may keep without a word: past it, the header says how much.
