@@ -541,6 +541,30 @@ def test_gpt2_under_torch_compile_reports_the_shapes_it_compiled(tmp_path):
     shapes = [e["guard_failed"] for e in events if e["guard_failed"] and "size mismatch at index 1" in e["guard_failed"]]
     assert any("expected 16, actual 8" in g or "expected 8, actual 16" in g for g in shapes), events
     assert any("2 distinct in train" in note for note in report["notes"]), report["notes"]
+    # GPT2LMHeadModel's class name maps to no transformers loss type: its loss_function logged a
+    # warning inside forward at every trace, splitting the graph (12 compilations in warm-up, not 2).
+    # The Trainer sets the loss type transformers falls back to, and nothing splits.
+    assert not [f["title"] for f in report["findings"] if f["code"] == "graph-break"], report["findings"]
+
+
+def test_a_hugging_face_models_loss_type_is_settled_under_compile_only_where_transformers_would_fall_back():
+    from xlatrain.train.model_io import settle_loss_lookup
+
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64,
+                                                                n_positions=32, bos_token_id=0, eos_token_id=0))
+    assert gpt2.loss_type is None
+    note = settle_loss_lookup(gpt2)
+    assert gpt2.loss_type == "ForCausalLM" and "GPT2LMHeadModel.loss_type None -> 'ForCausalLM'" in note
+    assert gpt2.loss_function is transformers.loss.loss_utils.LOSS_MAPPING["ForCausalLM"]  # the fallback's own loss
+    bert = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, vocab_size=64)
+    classifier = transformers.BertForSequenceClassification(transformers.BertConfig(**bert))
+    assert settle_loss_lookup(classifier) is None and classifier.loss_type == "ForSequenceClassification"
+    # One whose forward never calls loss_function, and one whose loss the user set, keep theirs.
+    pretraining = transformers.BertForPreTraining(transformers.BertConfig(**bert))
+    assert settle_loss_lookup(pretraining) is None and pretraining.loss_type is None
+    gpt2 = transformers.GPT2LMHeadModel(gpt2.config)
+    gpt2.loss_function = nn.functional.cross_entropy
+    assert settle_loss_lookup(gpt2) is None and gpt2.loss_type is None
 
 
 def test_a_torchmetrics_metric_is_fed_each_batch_real_rows_and_computed_once(tmp_path):

@@ -48,7 +48,7 @@ from xlatrain.train.factories import ModelParameters, OptimizerFactory, RunShape
 from xlatrain.train.feed import TrainFeed, channels_last_choice, eval_batches, follow_num_workers, to_channels_last
 from xlatrain.train.losses import EvalLoss, SkippedGroup, add_to_sums, new_sums
 from xlatrain.train.metrics import EvalAccumulator, RowCollector, as_float, default_monitor, infer_task
-from xlatrain.train.model_io import ForwardSignature, ModelIO, no_grad_message
+from xlatrain.train.model_io import ForwardSignature, ModelIO, no_grad_message, settle_loss_lookup
 from xlatrain.train.observers import (DiagnosticsObserver, Observers, ProgressObserver, TensorBoardObserver,
                                       TraceObserver, untraced_note)
 from xlatrain.train.preflight import DoesNotFitError
@@ -225,6 +225,7 @@ class Trainer:
         self.channels_last, self._channels_last_note = channels_last_choice(cfg.channels_last, model, rt, cfg.precision)
         if self.channels_last:
             model = model.to(memory_format=torch.channels_last)
+        self._model_note = settle_loss_lookup(model) if cfg.compile else None
         self.model = st.prepare_model(model, self.precision, init_weights)
         # Training and evaluation run through this; under torch.compile each mode (train with
         # gradients, eval without) gets its own graph.
@@ -477,8 +478,9 @@ class Trainer:
                               *([self._channels_last_note] if self._channels_last_note else [])]))
         if fork_note := fork_hang_note(feed.num_workers):
             self._say(f"note: {fork_note}")
-        if self._optimizer_note:
-            self._say(self._optimizer_note)
+        for note in (self._model_note, self._optimizer_note):
+            if note:
+                self._say(note)
         if self.ema is not None:
             self._say(f"EMA: decay {cfg.ema_decay}, rule {cfg.ema_rule!r} every {cfg.ema_every} step(s)"
                       + (f", copying the weights for {cfg.ema_warmup_epochs} warm-up epoch(s)" if cfg.ema_warmup_epochs else "")
