@@ -200,6 +200,33 @@ def test_a_graph_break_names_the_innermost_line_of_user_code():
     assert "move the call out of forward" in library.fix.lower()
 
 
+def test_a_graph_break_in_an_installed_librarys_own_code_does_not_tell_the_user_to_edit_it(tmp_path, monkeypatch):
+    # A Hugging Face model's loss_function logs inside forward: "Remove print / logging from
+    # forward" asked the user to edit transformers.
+    package = tmp_path / "site-packages" / "chattylib"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("def loss(y):\n    print('using the default loss')\n    return y.sum()\n")
+    monkeypatch.syspath_prepend(str(package.parent))
+    import chattylib
+
+    class UsesLibrary(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return chattylib.loss(self.lin(x))
+
+    compiled = torch.compile(UsesLibrary(), backend=BACKEND)
+    with CompileWatch() as watch:
+        for _ in range(2):
+            compiled(torch.randn(8, 4)).backward()
+    (finding,) = [f for f in watch.findings() if f.code == "graph-break"]
+    assert f"chattylib{os.sep}__init__.py:2 in loss" in finding.title and "print" in finding.title
+    assert finding.fix.startswith("This line is chattylib's own code, not yours: look for the setting of chattylib")
+    assert "Remove print" in finding.fix  # what the break is, after
+
+
 def test_a_changing_batch_size_is_a_recompilation_with_the_guard_and_the_sizes():
     compiled = torch.compile(Plain(), backend=BACKEND)
     with CompileWatch() as watch:

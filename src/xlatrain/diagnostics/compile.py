@@ -539,6 +539,10 @@ class CompileWatch:
             if b.inner is not None and b.kind not in _BREAK_FIX:
                 fix = (f"The break is inside the library code this line calls ({b.inner.func}): move the call out "
                        "of forward (into the data pipeline, or after the step) or use torch ops instead. " + fix)
+            elif b.at is not None and _third_party(b.at.file):
+                fix = (f"This line is {_package(b.at.file)}'s own code, not yours: look for the setting of "
+                       f"{_package(b.at.file)} that avoids it (a warning it logs once, outside torch.compile, often "
+                       "names it), or compile the part of the model before it. What the break is: " + fix)
             out.append((Finding("graph-break", f"graph break at {where}: {what}", evidence, fix), late > 0))
         rest = sites[MAX_SITES:]
         if rest:
@@ -739,6 +743,15 @@ class CompileWatch:
 # --- reading torch --------------------------------------------------------------------------------
 def _third_party(path: str) -> bool:
     return f"{os.sep}site-packages{os.sep}" in path or f"{os.sep}dist-packages{os.sep}" in path
+
+
+def _package(path: str) -> str:
+    """The installed package a site-packages path lies in (``transformers``)."""
+    parts = path.split(os.sep)
+    for i, part in enumerate(parts[:-1]):
+        if part in ("site-packages", "dist-packages"):
+            return parts[i + 1].removesuffix(".py")
+    return "a library"
 
 
 def _short(path: str) -> str:
