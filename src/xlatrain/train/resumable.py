@@ -12,7 +12,7 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -415,7 +415,7 @@ def step_schedule(scheduler: Any, *, quiet: bool) -> None:
         scheduler.step()
 
 
-def preempt(trainer: Trainer, cursor: Cursor, sums: dict[str, torch.Tensor], stop: StopSignals) -> None:
+def preempt(trainer: Trainer, cursor: Cursor, sums: dict[str, torch.Tensor], stop: StopSignals) -> NoReturn:
     """A stop was asked for (on this process or a peer): checkpoint this step, then exit."""
     path = save_checkpoint(trainer, cursor, sums) if trainer.checkpoint.enabled else None
     if trainer.strategy.is_main:

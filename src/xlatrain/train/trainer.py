@@ -2,7 +2,9 @@
 
 The loop is written out in full in ``Trainer._fit``: one forward, one backward, one optimizer step
 per global batch, with nothing read back to the host except through ``runtime.defer`` every
-``log_every`` steps and ``runtime.read`` at epoch end. What the device is, the runtime answers;
+``log_every`` steps and ``runtime.read`` at epoch end, but for planned reads that a setting asks
+for: fp16's gradient scaler, once per optimizer step, and ``skip_step`` where a step makes the
+optimizer's state. What the device is, the runtime answers;
 how the model is spread over devices, the strategy. Around the loop, each in a module of its own:
 the argument checks (:mod:`~xlatrain.train.checks`), the run directory's bookkeeping
 (:mod:`~xlatrain.train.run_dir`), the dry run and memory plan before the first step
@@ -207,7 +209,6 @@ class Trainer:
             )
         # float16's gradient scaler (torch.amp.GradScaler), whose state is saved in checkpoints.
         self.grad_scaler = torch.amp.GradScaler(rt.device.type) if cfg.precision == "fp16" else None
-        # Under the model's own loss the task is told by the dry run's outputs and targets.
         scoring = val_loss_fn or loss_fn
         # Under the model's own loss the task is told by the dry run's outputs and targets.
         self.task = cfg.task if cfg.task != "auto" else infer_task(scoring) if scoring is not None else "auto"
@@ -831,7 +832,7 @@ class Trainer:
     # --- what the loop says and decides --------------------------------------------------------
     def _check_nonfinite(self, bad: float, epoch: int, first: int, last: int) -> None:
         if bad > 0 and self.config.nan_policy == "stop":
-            self._nonfinite = (epoch, first, last, int(bad))
+            self._nonfinite = (epoch, first, last, round(bad))  # as the interval's read counts it
             self._fail_nonfinite()
 
     def _fail_nonfinite(self) -> None:
