@@ -59,6 +59,22 @@ def test_a_batch_that_takes_time_to_make_gets_the_machines_workers():
     assert in_process_batch_s(Noisy(sleep_s=0.002), 8, collate) is None
 
 
+def test_data_in_memory_with_a_collate_that_takes_time_gets_the_machines_workers():
+    # A list of texts tokenised or padded by a collate_fn: the work is the collate's, which a worker
+    # does as well; "a list is in memory, nothing to decode" kept it in the training process.
+    items = [(torch.randn(4), torch.tensor(i % 2)) for i in range(64)]
+
+    def slow_collate(batch):
+        time.sleep(0.01)
+        return collate(batch)
+
+    assert decode_workers("auto", items, batches=8, rows=8, collate_fn=slow_collate) == auto_workers(8)
+    assert decode_workers("auto", torch.utils.data.TensorDataset(torch.randn(64, 4)), batches=8, rows=8,
+                          collate_fn=slow_collate) == auto_workers(8)
+    # Stacked by the default collate, nothing is made: no workers, and no measurement.
+    assert decode_workers("auto", items, batches=8, rows=8) == (0, "auto: a list is in memory, nothing to decode")
+
+
 def test_a_number_is_used_as_given_whatever_the_data_costs():
     assert decode_workers(3, Noisy(), batches=8, rows=8) == (3, "as configured")
     assert decode_workers(0, Noisy(sleep_s=0.002), batches=8, rows=8) == (0, "as configured")

@@ -52,11 +52,12 @@ def decode_workers(
 ) -> tuple[int, str]:
     """The processes that fetch and decode batches beside this training process, and why:
     ``"auto"`` is :func:`~xlatrain.data.workers.auto_workers`, and none for data already in memory
-    (nothing to decode) or whose batch of ``rows`` items is made here in under
-    ``IN_PROCESS_BATCH_S``; a number is used as given."""
+    and stacked by the default collate (nothing to decode) or whose batch of ``rows`` items is made
+    here in under ``IN_PROCESS_BATCH_S`` (a collate_fn's work included: tokenising or padding a
+    list of texts is work a worker can do); a number is used as given."""
     if requested != "auto":
         return int(requested), "as configured"
-    if isinstance(dataset, (TensorDataset, list, tuple)):
+    if isinstance(dataset, (TensorDataset, list, tuple)) and collate_fn is collate:
         return 0, f"auto: a {type(dataset).__name__} is in memory, nothing to decode"
     spent = in_process_batch_s(dataset, rows, collate_fn, IN_PROCESS_BATCH_S) if rows else None
     if spent is not None:
