@@ -256,6 +256,41 @@ def test_an_eager_run_that_waits_a_fifth_of_its_training_time_or_more_is_told(wa
         assert found[0].title == f"{100 * share:.0f}% of training time waited for input"
 
 
+@pytest.mark.parametrize(("workers", "said"), [
+    ((1, 3), "raise num_workers (1 now; this host's CPUs give 3 beside the training process)"),
+    ((3, 3), "num_workers is 3, as many as this host's CPUs give beside the training process: more would share"),
+    ((5, 3), "num_workers is 5, more than the 3 this host's CPUs give beside the training process"),
+])
+def test_the_input_bound_fix_raises_num_workers_only_where_the_hosts_cpus_give_more(workers, said):
+    # It said "raise num_workers" with the workers already at every CPU but the training process's.
+    diag = RunDiagnostics(_Runtime("cpu"), _Strategy(), per_device_batch=8, strict=False, workers=workers)
+    _paced_epoch(diag, 0.04, 0.08, 40)
+    (found,) = [f for f in diag.findings() if f.code == "input-bound"]
+    assert said in found.fix
+    assert ("raise num_workers" in found.fix) is (workers[0] < workers[1])
+
+
+def test_waiting_for_validation_input_is_a_finding_of_its_own():
+    # 3.4 s of a 5.8 s run waited for validation batches, and the report said "clean".
+    import time
+
+    diag = RunDiagnostics(_Runtime("cpu"), _Strategy(), per_device_batch=8, strict=False, workers=(0, 1))
+    for _ in diag.timed(iter([None] * 10), "train", 1):
+        time.sleep(0.01)
+
+    def slow():
+        for _ in range(30):
+            time.sleep(0.04)
+            yield None
+
+    for _ in diag.timed(slow(), "eval", 1):
+        time.sleep(0.01)
+    diag.end_epoch(1)
+    (found,) = [f for f in diag.findings() if f.code.startswith("input-bound")]
+    assert found.code == "input-bound-eval" and re.match(r"\d+% of validation time waited for input", found.title)
+    assert "raise num_workers (0 now" in found.fix and "eval_collate_fn" in found.fix
+
+
 @pytest.mark.xla
 def test_a_graph_that_changes_with_a_value_sized_op_is_blamed_on_that_op(tmp_path):
     report, _ = _fit(tmp_path, "masked", "masked")

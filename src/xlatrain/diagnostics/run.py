@@ -134,9 +134,12 @@ class RunDiagnostics:
 
     def __init__(
         self, runtime: Any, strategy: Any, *, per_device_batch: int, strict: bool, grad_accum_steps: int = 1,
-        compile_watch: Any = None,
+        compile_watch: Any = None, workers: tuple[int, int] | None = None,
     ) -> None:
         self._runtime = runtime  # planned reads are counted by the runtime
+        # The DataLoader's decode workers and the most this host's CPUs give (num_workers="auto"'s
+        # rule), where the Trainer made the loader: what an input-bound fix can say of them.
+        self._workers = workers
         self._compile = compile_watch  # a started diagnostics.compile.CompileWatch under torch.compile
         self._accum = grad_accum_steps
         # The runtime's compile/transfer counters (torch_xla's metrics), where it keeps any.
@@ -703,8 +706,15 @@ class RunDiagnostics:
             out.append(Finding(
                 "input-bound", f"{100 * share:.0f}% of training time waited for input",
                 f"{waited:.1f} s waiting for the next batch in {trained:.1f} s of training steps",
-                "Feed faster: pack images into shards (`xlatrain pack`) and read them with ShardDataset, "
-                "raise num_workers, decode at the target size, send uint8 and normalise on the device.",
+                self._feed_fix(),
+            ))
+        eval_share, eval_waited, evaluated = self._input_share("eval")
+        if self._input_wait_is_evidence() and self._over_bound(eval_share) and eval_waited >= MIN_INPUT_WAIT_S:
+            out.append(Finding(
+                "input-bound-eval", f"{100 * eval_share:.0f}% of validation time waited for input",
+                f"{eval_waited:.1f} s waiting for the next validation batch in {evaluated:.1f} s of evaluation",
+                self._feed_fix() + " The validation set is read with eval_collate_fn (else collate_fn) and the "
+                "same num_workers.",
             ))
         if self._compile is not None:
             out.extend(self._compile.findings())
@@ -755,11 +765,30 @@ class RunDiagnostics:
         return (f"{unplanned} unplanned device read(s) in {steps} training step(s)"
                 + (f" and {evaluated} evaluation step(s)" if evaluated else ""))
 
-    def _input_share(self) -> tuple[float, float, float]:
-        """The share of the epochs' training time spent waiting for a batch, the wait and that time."""
-        waited = sum(e["input_wait_s"] for e in self._epochs)
-        trained = sum(e["train_s"] for e in self._epochs)
-        return (min(1.0, waited / trained) if trained > 0 else 0.0), waited, trained
+    def _input_share(self, phase: str = "train") -> tuple[float, float, float]:
+        """The share of the epochs' training time (or evaluation's) spent waiting for a batch, the
+        wait and that time."""
+        if phase == "train":
+            waited = sum(e["input_wait_s"] for e in self._epochs)
+            spent = sum(e["train_s"] for e in self._epochs)
+        else:
+            p = self._phases.get(phase)
+            waited, spent = (p.wait_s, p.active_s) if p is not None else (0.0, 0.0)
+        return (min(1.0, waited / spent) if spent > 0 else 0.0), waited, spent
+
+    def _feed_fix(self) -> str:
+        """How to feed faster; what it says of num_workers follows what the run had and what
+        this host's CPUs give (more workers than CPUs only share them)."""
+        fix = ("Feed faster: pack images into shards (`xlatrain pack`) and read them with ShardDataset, "
+               "decode at the target size, send uint8 and normalise on the device")
+        if self._workers is None:
+            return fix + ", or give the reader more decode workers."
+        n, most = self._workers
+        if n < most:
+            return f"{fix}, or raise num_workers ({n} now; this host's CPUs give {most} beside the training process)."
+        return (f"{fix}. num_workers is {n}, " + ("as many as" if n == most else f"more than the {most}") +
+                " this host's CPUs give beside the training process: more would share the same CPUs, so each batch "
+                "has to cost less to make (the steps above), or the host needs more CPUs.")
 
     def _over_bound(self, share: float) -> bool:
         """Whether a share of training time spent waiting for input is more than this runtime's

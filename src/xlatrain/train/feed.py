@@ -244,6 +244,13 @@ class TrainFeed:
         self._loader = data_loader(cfg, runtime, dataset, self.sampler, collate_fn, num_workers=self.num_workers,
                                    process_index=st.process_index)
 
+    @property
+    def worker_room(self) -> tuple[int, int] | None:
+        """The decode workers feeding this fit and the most ``num_workers="auto"`` gives on this
+        host (an epoch's batch count aside); ``None`` where the batches come from a source that
+        says nothing of its workers."""
+        return None if self.num_workers is None else (self.num_workers, auto_workers(2**31)[0])
+
     def length_note(self) -> str | None:
         """A user's sampler whose length is not what it gives: the steps come from what it gives;
         samples the Trainer's own sampler leaves out of each epoch to keep every batch full."""

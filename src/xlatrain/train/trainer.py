@@ -520,7 +520,8 @@ class Trainer:
         if cfg.diagnostics:
             watch = run.enter_context(CompileWatch().start(first_epoch=first_epoch)) if cfg.compile else None
             diag = RunDiagnostics(rt, st, per_device_batch=cfg.batch_size, strict=cfg.strict,
-                                  grad_accum_steps=cfg.grad_accum_steps, compile_watch=watch)
+                                  grad_accum_steps=cfg.grad_accum_steps, compile_watch=watch,
+                                  workers=self._feed.worker_room)
             assert self.memory_plan is not None and self.throughput is not None
             plan, rate = self.memory_plan, self.throughput
             own.append(DiagnosticsObserver(diag, lambda: {"memory": plan.as_dict(), "throughput": rate.as_dict()}))
