@@ -17,13 +17,15 @@ must end with that status (a refusal the page shows); a Python block marked
 ``<!-- docs-test: after-shell -->`` reads what its page's shell lines made, and they run before it. Commands are classified by what they need:
 ``accelerator=tpu`` / ``cuda`` / ``PJRT_DEVICE=TPU``, TorchTPU's launcher, ``gcloud`` and ``pip``
 are checked by name (the subcommand and flags parse, each ``--set`` key exists in the config,
-modules and Make targets exist); everything else runs. Commands run in the tests' script
-environment (conftest.script_env), with two differences a reader would not have: XLA:CPU generates
-code at LLVM optimization level 0 (``XLA_FLAGS``), which changes how long XLA commands compile
-and how fast their code runs, not what the pages describe; faulthandler is on
-(``PYTHONFAULTHANDLER``), so a command that hangs prints its threads' stacks when it is stopped;
-and a Python command may run forked from an interpreter that has imported torch already
-(tests/warm.py), which changes how long it takes to start, not what it does.
+modules and Make targets exist); everything else runs. TorchTPU's launches also run in bash, with
+a stand-in for its module (printing what it prints) and for torchrun (recording what it was
+given). Commands run in the tests' script environment (conftest.script_env), with two differences
+a reader would not have: XLA:CPU generates code at LLVM optimization level 0 (``XLA_FLAGS``),
+which changes how long XLA commands compile and how fast their code runs, not what the pages
+describe; faulthandler is on (``PYTHONFAULTHANDLER``), so a command that hangs prints its
+threads' stacks when it is stopped; and a Python command may run forked from an interpreter
+that has imported torch already (tests/warm.py), which changes how long it takes to start, not
+what it does.
 """
 
 from __future__ import annotations
@@ -191,7 +193,7 @@ def _needs_hardware(env: dict[str, str], text: str) -> str | None:
         return "a TPU (PJRT_DEVICE=TPU)"
     if re.search(r"accelerator[= ](tpu|cuda)", text):
         return "a " + re.search(r"accelerator[= ](tpu|cuda)", text).group(1).upper()
-    if "$WORLD_SIZE" in text or "$NNODES" in text:
+    if re.search(r"\$\{?(WORLD_SIZE|NNODES)\b", text):
         return "TorchTPU's launch variables"
     return None
 
@@ -210,8 +212,8 @@ def check_names(command: str) -> str:
         for extra in extras:
             assert re.search(rf"^{extra} = \[", declared, re.M), f"pyproject.toml has no extra [{extra}]"
         return f"extras {sorted(extras)} exist"
-    if prog == "eval":
-        assert "torch.tpu.distributed" in command
+    if prog in ("set", "eval"):  # TorchTPU's launch variables (run with a stand-in module below)
+        assert "torch.tpu.distributed" in command, f"cannot check {command}"
         spec = importlib.util.find_spec("torch_tpu")
         if spec is None:
             return "TorchTPU not installed in this environment: launcher not checked"
@@ -224,7 +226,7 @@ def check_names(command: str) -> str:
         checked = []
         for part in re.split(r"&&|;", inner.group(2)):
             part = part.strip()
-            if part and not part.startswith(("cd ", "eval ")):
+            if part and not part.startswith(("cd ", "eval ", "set ", "export ")):
                 checked.append(check_names(part))
         return "inside gcloud: " + "; ".join(checked)
     if prog == "tensorboard":
@@ -274,7 +276,7 @@ def run_command(command: str, cwd: Path, exits: int = 0) -> str:
         ran = [run_command(line, cwd, exits) for line in make_recipe(tokens[1])]
         return f"ran its recipe ({'; '.join(ran)})"
     needs = _needs_hardware(env, command)
-    if needs or Path(tokens[0]).name in ("make", "pip", "eval", "gcloud", "tensorboard"):
+    if needs or Path(tokens[0]).name in ("make", "pip", "set", "eval", "gcloud", "tensorboard"):
         return f"checked ({needs or Path(tokens[0]).name}): {check_names(command)}"
     python = sys.executable
     if tokens[0].startswith(".venv-xla/"):
@@ -384,3 +386,106 @@ def test_every_marked_block_says_why_and_every_block_is_one_the_harness_knows():
             assert block.lang in ("bash", "sh", "python", "", "yaml", "text"), f"{where}: {block.lang}"
             if block.skip is not None:
                 assert len(block.skip) > 10, f"{where}: say why the block is not run"
+
+
+# --- TorchTPU's launch variables ---------------------------------------------------------------
+
+# What `python -m torch.tpu.distributed` prints (torch_tpu's _print_launch_env): plain NAME="value"
+# lines, no `export`, on one host of 4 devices and on the second of two such hosts.
+LAUNCH_ENV = {
+    "one host": 'TORCH_TPU_TOPOLOGY="2,2,1"\n'
+                'TORCH_TPU_SLICEBUILDER_ADDRESSES="localhost:8471,localhost:8472,localhost:8473,localhost:8474"\n'
+                'TORCH_TPU_XPROF_SESSION_ID="17"\nWORLD_SIZE=4\nNODE_RANK="0"\n',
+    "two hosts": 'TORCH_TPU_TOPOLOGY="2,2,1"\n'
+                 'TORCH_TPU_SLICEBUILDER_ADDRESSES="host-a:8070,host-a:8071,host-a:8072,host-a:8073,'
+                 'host-b:8070,host-b:8071,host-b:8072,host-b:8073"\n'
+                 'TORCH_TPU_XPROF_SESSION_ID="17"\nWORLD_SIZE=8\nNODE_RANK="1"\nNNODES="2"\n'
+                 'MASTER_ADDR="host-a"\nMASTER_PORT="29500"\n',
+}
+# What torchrun's workers need from it: every rank must see the same values.
+WORKER_VARS = ("TORCH_TPU_TOPOLOGY", "TORCH_TPU_SLICEBUILDER_ADDRESSES", "TORCH_TPU_XPROF_SESSION_ID")
+
+
+def tpu_launches() -> list[tuple[str, str]]:
+    """Each TorchTPU launch the pages show, as shell text: the line that reads the launch variables
+    and the torchrun line after it, or a gcloud line's remote command; and the devices=N hint's."""
+    from xlatrain.backend import TPU_LAUNCH_ENV, torchrun_command
+
+    found = [("the devices=N hint", TPU_LAUNCH_ENV + "\n" + torchrun_command(4, ["train.py"]))]
+    for page in PAGES:
+        for block in blocks(page):
+            if block.lang not in ("bash", "sh"):
+                continue
+            lines = commands(block.code)
+            for i, line in enumerate(lines):
+                if "torch.tpu.distributed" not in line:
+                    continue
+                where = f"{block.page}:{block.line}"
+                if line.lstrip().startswith("gcloud"):
+                    found.append((f"{where} gcloud", re.search(r"--command=(['\"])(.*)\1", line).group(2)))
+                else:
+                    assert i + 1 < len(lines) and "torchrun" in lines[i + 1], f"{where}: no torchrun after {line!r}"
+                    found.append((where, line + "\n" + lines[i + 1]))
+    return found
+
+
+def _launch(script: str, printed: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess, dict, list[str] | None]:
+    """Run a launch in bash with the module printing ``printed`` and a torchrun that records its
+    arguments and the environment its workers would inherit."""
+    (tmp_path / "xlatrain").mkdir(exist_ok=True)  # a gcloud command's `cd xlatrain`
+    (tmp_path / "printed").write_text(printed)
+    torchrun = tmp_path / "torchrun"
+    torchrun.write_text('#!/bin/sh\nenv > "$OUT/env"\nprintf "%s\\n" "$@" > "$OUT/args"\n')
+    torchrun.chmod(0o755)
+    for name in ("env", "args"):
+        (tmp_path / name).unlink(missing_ok=True)
+    script = re.sub(r"[\w./-]*torchrun(?=\s)", str(torchrun), script)
+    script = re.sub(r"[\w./-]*python[\w.]* -m torch\.tpu\.distributed", f"cat {tmp_path / 'printed'}", script)
+    proc = subprocess.run(["bash", "-c", script], env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path)}, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=30)
+    if not (tmp_path / "args").exists():
+        return proc, {}, None
+    env = dict(line.split("=", 1) for line in (tmp_path / "env").read_text().splitlines() if "=" in line)
+    return proc, env, (tmp_path / "args").read_text().splitlines()
+
+
+@pytest.mark.parametrize("where,script", [pytest.param(w, s, id=w) for w, s in tpu_launches()])
+def test_each_torchtpu_launch_hands_torchrun_and_its_workers_the_launch_variables(where, script, tmp_path):
+    multi_host = "--nnodes" in script
+    printed = LAUNCH_ENV["two hosts" if multi_host else "one host"]
+    values = dict(re.fullmatch(r'(\w+)="?(.*?)"?', line).groups() for line in printed.splitlines())
+    proc, env, args = _launch(script, printed, tmp_path)
+    assert proc.returncode == 0 and args is not None, f"{where}: {proc.stderr}"
+    missing = [name for name in WORKER_VARS if env.get(name) != values[name]]
+    assert not missing, f"{where}: torchrun's workers do not see {missing}: the module prints plain assignments, export them"
+
+    def flag(name: str) -> str:
+        return args[args.index(name) + 1]
+
+    num_hosts = int(flag("--nnodes")) if multi_host else 1
+    num_addresses = len(values["TORCH_TPU_SLICEBUILDER_ADDRESSES"].split(","))
+    assert int(flag("--nproc-per-node")) * num_hosts == num_addresses, f"{where}: not one process per device: {args}"
+    if multi_host:
+        passed = (flag("--node-rank"), flag("--master-addr"), flag("--master-port"))
+        assert passed == (values["NODE_RANK"], values["MASTER_ADDR"], values["MASTER_PORT"]), where
+        # Where the module takes its single-host path (no TPU_WORKER_HOSTNAMES), the launch stops.
+        proc, _, args = _launch(script, LAUNCH_ENV["one host"], tmp_path)
+        assert proc.returncode != 0 and args is None, f"{where}: a multi-host launch went on with one host's variables"
+    if where == "the devices=N hint":  # two commands to type one at a time: the module's error shows at the first
+        return
+    # Where the module printed nothing (it failed, its error on stderr), torchrun does not start.
+    proc, _, args = _launch(script, "", tmp_path)
+    assert proc.returncode != 0 and args is None, f"{where}: torchrun started without TorchTPU's launch variables"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch_tpu") is None, reason="TorchTPU is not installed")
+def test_torch_tpu_prints_its_launch_variables_as_the_launch_test_above_has_them():
+    # Two host names take the module's multi-host path, which needs no TPU here.
+    env = script_env({"TORCH_DEVICE_BACKEND_AUTOLOAD": "1", "TPU_WORKER_HOSTNAMES": "host-a,host-b", "NODE_RANK": "1"})
+    for name in (*WORKER_VARS, "WORLD_SIZE", "NNODES", "MASTER_ADDR", "MASTER_PORT", "JOB_COMPLETION_INDEX"):
+        env.pop(name, None)
+    proc = run_bounded([sys.executable, "-m", "torch.tpu.distributed"], env, 120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert all(re.fullmatch(r'\w+="?[^"]*"?', line) for line in lines), f"not plain assignments: {lines}"
+    assert [line.split("=")[0] for line in lines] == [line.split("=")[0] for line in LAUNCH_ENV["two hosts"].splitlines()]

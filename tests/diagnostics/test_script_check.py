@@ -846,3 +846,26 @@ def test_a_training_loader_without_a_sampler_is_named_only_where_several_process
     one_process = body.replace('dist.init_process_group("gloo")', "pass").replace(
         "torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))", "torch.nn.Linear(4, 2)")
     assert (8, "unsharded-loader") not in found(one_process.format(sampler=""))
+
+
+def test_porting_notes_name_no_torch_tpu_call_that_torchtpu_keeps_for_torch_itself():
+    # On torch >= 2.11 TorchTPU raises RuntimeError at torch.tpu.synchronize() / set_device() called
+    # from user code, and names the torch.accelerator call to use instead.
+    import importlib.util
+    import sys
+
+    from conftest import run_bounded, script_env
+    from xlatrain.doctor.script_check.common import _PORTS
+
+    src = "import torch_xla.core.xla_model as xm\nxm.mark_step()\nxm.wait_device_ops()\n"
+    notes = {f.code: f.message for f in check_source(src) if is_port_note(f)}
+    assert "torch.accelerator.synchronize()" in notes["port:sync"], notes["port:sync"]
+    assert "torch.accelerator.synchronize()" in notes["port:wait"], notes["port:wait"]
+    named = sorted({n for port in _PORTS.values() for n in re.findall(r"torch\.tpu\.(\w+)", port.torch_tpu)})
+    if importlib.util.find_spec("torch_tpu") is None:
+        return
+    code = ("import torch\nprint([n for n in %r if getattr(getattr(torch.tpu, n, None), '__tt_api_stage__', '') "
+            "== 'Internal'])" % named)
+    proc = run_bounded([sys.executable, "-c", code], script_env({"TORCH_DEVICE_BACKEND_AUTOLOAD": "1"}), 120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]", f"internal to TorchTPU on this torch: {proc.stdout}"

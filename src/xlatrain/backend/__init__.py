@@ -90,6 +90,11 @@ def select_backend(
                            activation_checkpointing)
 
 
+# TorchTPU's launch variables for a shell launcher: the module prints plain NAME="value" lines, which
+# set -a exports, so that torchrun's workers see them.
+TPU_LAUNCH_ENV = 'set -a; eval "$(python -m torch.tpu.distributed)"; set +a'
+
+
 def torchrun_command(processes: int, argv: list[str] | None = None) -> str:
     """The command that runs this one as ``processes`` torchrun processes: ``xlatrain``'s own
     command line as its module (torchrun runs a module or a script, not a console entry point)."""
@@ -117,11 +122,12 @@ def _native_backend(
 
     world = launched_world_size()
     if devices is not None and devices != world:
-        hint = (
-            f"launch it with `{torchrun_command(devices)}`"
-            if devices > 1
-            else "leave devices unset under torchrun"
-        )
+        if devices <= 1:
+            hint = "leave devices unset under torchrun"
+        elif device_type == "tpu":
+            hint = f"launch it with `{TPU_LAUNCH_ENV}` and then `{torchrun_command(devices)}`"
+        else:
+            hint = f"launch it with `{torchrun_command(devices)}`"
         raise ValueError(
             f"devices={devices} with accelerator={device_type!r} means {devices} processes, one per "
             f"device, but this job has {world}: {hint}"

@@ -27,9 +27,10 @@ COMPILE = {"cpu": {}, "cuda": {}, "tpu": {"backend": "tpu", "dynamic": False}}
 class NativeRuntime:
     """Eager CPU, CUDA or TorchTPU: one device per process.
 
-    For TorchTPU, launch as torch_tpu documents: ``eval "$(python -m torch.tpu.distributed)"``
-    (its launch environment: topology and slice addresses) and then ``torchrun`` with one process
-    per TPU device.
+    For TorchTPU, export its launch variables (topology, slice addresses), which the module prints
+    as plain ``NAME="value"`` lines: ``set -a; eval "$(python -m torch.tpu.distributed)"; set +a``
+    (or call ``torch.tpu.distributed.set_tpu_launch_env()`` in the parent process), then start
+    ``torchrun`` with one process per TPU device.
     """
 
     trace_kind = "torch"

@@ -146,14 +146,14 @@ class _Port:
 _PORT_DEVICE = _Port(
     "port:device",
     "the device is torch.device('tpu'): model.to('tpu') / tensor.to('tpu') (or model.tpu()); each "
-    "process owns one TPU device, so there is no index to pick (torch.tpu.set_device only checks it)",
+    "process owns one TPU device, so there is no index to pick",
     "Trainer(..., backend='auto') picks the device and moves the model; nothing to write",
 )
 _PORT_SYNC = _Port(
     "port:sync",
     "tensors on the 'tpu' device run eagerly, so there is no lazy graph to cut: delete the call; "
     "compile the step with torch.compile(...) (TorchTPU makes backend='tpu', dynamic=False the "
-    "default for TPU inputs); torch.tpu.synchronize() waits for the device, for timing only",
+    "default for TPU inputs); torch.accelerator.synchronize() waits for the device, for timing only",
     "the Trainer runs one compiled step per phase; nothing to write",
 )
 _PORT_COMPILE = _Port(
@@ -177,8 +177,9 @@ _PORT_LOADER = _Port(
 _PORT_LAUNCH = _Port(
     "port:launch",
     "one process per TPU device: call torch.tpu.distributed.set_tpu_launch_env() in the parent "
-    "and start the workers with torchrun or torch.multiprocessing.spawn ('python -m "
-    "torch.tpu.distributed' prints the same variables for a shell launcher); each worker calls "
+    "and start the workers with torchrun or torch.multiprocessing.spawn (in a shell, "
+    "`set -a; eval \"$(python -m torch.tpu.distributed)\"; set +a` before torchrun exports the same "
+    "variables); each worker calls "
     "torch.distributed.init_process_group('tpu_dist')",
     "no worker function: Trainer(...).fit(...) drives every local device (SPMD on torch_xla); "
     "xlatrain.spawn(fn) when you want one process per chip",
@@ -236,7 +237,7 @@ _PORT_METRICS = _Port(
 )
 _PORT_WAIT = _Port(
     "port:wait",
-    "torch.tpu.synchronize()",
+    "torch.accelerator.synchronize()",
     "fit returns once the device is done",
 )
 _PORT_SEED = _Port(
