@@ -52,11 +52,6 @@ def install_console_handler(level: int = logging.INFO) -> logging.Handler:
     return handler
 
 
-def has_console_handler() -> bool:
-    """True when :func:`install_console_handler` has put xlatrain's handler in place."""
-    return any(h.get_name() == _HANDLER_NAME for h in logging.getLogger(LOGGER_NAME).handlers)
-
-
 def remove_console_handler() -> None:
     """Undo :func:`install_console_handler` (tests restore logging between cases)."""
     logger = logging.getLogger(LOGGER_NAME)

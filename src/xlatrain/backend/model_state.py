@@ -18,9 +18,6 @@ import torch
 
 from xlatrain.checkpoint import distinct_weights
 
-OPTIM_PREFIX = "optim."
-MODEL_PREFIX = "model."
-
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """The part of ``t`` this process holds (a DTensor's local shard; a plain tensor itself)."""

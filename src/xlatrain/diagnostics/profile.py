@@ -130,7 +130,6 @@ class StepTrace:
         self._xla = trace_kind == "xla"
         self._platform = platform
         self._compiled = compiled
-        self._is_main = is_main
         self._state = "waiting" if is_main else "done"  # waiting -> tracing -> done
         self._session: Any = None
         self._span: Any = None
@@ -143,11 +142,6 @@ class StepTrace:
         self._window_started = 0.0
         self._window_s = 0.0
         self._summary: dict[str, Any] | None = None
-
-    @property
-    def tracing(self) -> bool:
-        """True between the first traced step's ``before_step`` and the last one's ``after_step``."""
-        return self._state == "tracing"
 
     def before_step(self, step: int) -> None:
         """Step ``step``'s batch is in hand and its forward pass comes next."""

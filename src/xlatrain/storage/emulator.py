@@ -47,7 +47,7 @@ class LocalGCS:
 
     Args:
         bucket: created when the server starts.
-        data_dir: where the server keeps objects (they survive :meth:`restart`); ``None`` keeps
+        data_dir: where the server keeps objects (they survive a ``stop()`` and ``start()``); ``None`` keeps
             them in memory (lost when it stops).
         port: default a free port.
     """
@@ -104,11 +104,6 @@ class LocalGCS:
                 self._proc.kill()
                 self._proc.wait()
         self._proc = None
-
-    def restart(self) -> None:
-        """Stop and start on the same port (with ``data_dir``, the objects are still there)."""
-        self.stop()
-        self.start()
 
     def __enter__(self) -> LocalGCS:
         """Start, and point this process at the server (import gcsfs only after: see ENV_AT_IMPORT)."""
