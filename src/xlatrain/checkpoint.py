@@ -20,6 +20,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from xlatrain.logs import get_logger
+from xlatrain.storage import write_synced
 
 log = get_logger(__name__)
 
@@ -167,13 +168,6 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def _step_of(name: str) -> tuple[int, int]:
     """Sort key of ``step-00000123`` / ``step-00000123.2`` (a second save at the same step)."""
     body = name[len("step-") :]
@@ -225,7 +219,7 @@ def _save_failed(root: Path, name: str, exc: OSError, where: Path, size: int | N
 
 def _commit(tmp: Path, root: Path, name: str, meta: dict) -> None:
     """Write meta.json last, then make the directory visible under its final name in one rename."""
-    _write_synced(tmp / META_FILE, (json.dumps(meta, indent=1) + "\n").encode())
+    write_synced(tmp / META_FILE, (json.dumps(meta, indent=1) + "\n").encode())
     fsync_path(tmp)
     os.rename(tmp, root / name)
     fsync_path(root)
@@ -248,7 +242,7 @@ def write_checkpoint(root: str | os.PathLike[str], step: int, tensors: dict[str,
         root.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
         blob = st_save(tensors)
-        _write_synced(tmp / STATE_FILE, blob)
+        write_synced(tmp / STATE_FILE, blob)
         _commit(tmp, root, name, dict(meta, name=name, files={STATE_FILE: _sha256(blob)}))
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)

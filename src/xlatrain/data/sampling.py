@@ -14,14 +14,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, Sampler
 
-from xlatrain.data.source import train_steps_per_epoch
-
-
-def _check_layout(num_processes: int, process_index: int, loader_batch: int) -> None:
-    if not 0 <= process_index < num_processes:
-        raise ValueError(f"process_index={process_index} is outside 0..{num_processes - 1}")
-    if loader_batch < 1:
-        raise ValueError(f"batch_size must be >= 1, got a loader batch of {loader_batch}")
+from xlatrain.data.source import check_layout, train_steps_per_epoch
 
 
 class TrainSampler(Sampler[int]):
@@ -41,7 +34,7 @@ class TrainSampler(Sampler[int]):
         shuffle: bool = True,
         step_multiple: int = 1,
     ) -> None:
-        _check_layout(num_processes, process_index, loader_batch)
+        check_layout(loader_batch=loader_batch, num_processes=num_processes, process_index=process_index)
         self.num_samples = num_samples
         self.loader_batch = loader_batch
         self.num_processes = num_processes
@@ -90,7 +83,7 @@ class EvalSampler(Sampler[int]):
     """
 
     def __init__(self, num_samples: int, *, loader_batch: int, num_processes: int = 1, process_index: int = 0) -> None:
-        _check_layout(num_processes, process_index, loader_batch)
+        check_layout(loader_batch=loader_batch, num_processes=num_processes, process_index=process_index)
         if num_samples < 1:
             raise ValueError("the evaluation set is empty: give at least one sample")
         self.num_samples = num_samples
@@ -168,7 +161,7 @@ class UserSampler(Sampler[int]):
         step_multiple: int = 1,
         agree: Any = None,
     ) -> None:
-        _check_layout(num_processes, process_index, loader_batch)
+        check_layout(loader_batch=loader_batch, num_processes=num_processes, process_index=process_index)
         # A class or a function builds each process's own sampler; an instance is the shared order.
         self.per_process = isinstance(sampler, type) or (callable(sampler) and not hasattr(sampler, "__iter__"))
         replicas = getattr(sampler, "num_replicas", None)

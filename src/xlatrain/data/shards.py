@@ -52,7 +52,7 @@ from xlatrain.data.index import RecordIndex, ShardError
 from xlatrain.data.decode import as_size, dct_request, decode, rotate, to_tensor
 from xlatrain.data.sampling import EvalSampler
 from xlatrain.data.workers import auto_workers
-from xlatrain.data.source import train_steps_per_epoch
+from xlatrain.data.source import check_layout, train_steps_per_epoch
 from xlatrain.logs import get_logger
 
 log = get_logger(__name__)
@@ -1401,7 +1401,7 @@ class ShardDataset:
         step_multiple: int = 1,
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """This process's ``(images_BCHW_uint8, targets)`` batches of one epoch, from ``start_step``."""
-        _check_layout(loader_batch, num_processes, process_index)
+        check_layout(loader_batch=loader_batch, num_processes=num_processes, process_index=process_index)
         steps = train_steps_per_epoch(len(self), loader_batch, num_processes, step_multiple)
         if not 0 <= start_step <= steps:
             raise ValueError(f"start_step={start_step} is outside 0..{steps} (steps in this epoch)")
@@ -1418,7 +1418,7 @@ class ShardDataset:
         self, *, loader_batch: int, num_processes: int, process_index: int
     ) -> Iterator[tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]]:
         """This process's ``((images, targets), valid)`` batches, laid out as ``EvalSampler``."""
-        _check_layout(loader_batch, num_processes, process_index)
+        check_layout(loader_batch=loader_batch, num_processes=num_processes, process_index=process_index)
         n = len(self)
         positions = EvalSampler(n, loader_batch=loader_batch, num_processes=num_processes).indices(process_index).numpy()
         valid = positions < n
@@ -1594,13 +1594,6 @@ def _check_option_names(options: dict[str, Any]) -> None:
     unknown = sorted(set(options) - set(valid))
     if unknown:
         raise ValueError(f"unknown ShardDataset option(s) {unknown}: valid ones are {valid}")
-
-
-def _check_layout(loader_batch: int, num_processes: int, process_index: int) -> None:
-    if loader_batch < 1:
-        raise ValueError(f"batch_size must be >= 1, got a loader batch of {loader_batch}")
-    if not 0 <= process_index < num_processes:
-        raise ValueError(f"process_index={process_index} is outside 0..{num_processes - 1}")
 
 
 # --------------------------------------------------------------------------------------------

@@ -19,6 +19,14 @@ from collections.abc import Iterable
 from typing import Any, Protocol, runtime_checkable
 
 
+def check_layout(*, loader_batch: int, num_processes: int, process_index: int) -> None:
+    """Raise ``ValueError`` unless ``loader_batch >= 1`` and ``0 <= process_index < num_processes``."""
+    if loader_batch < 1:
+        raise ValueError(f"batch_size must be >= 1, got a loader batch of {loader_batch}")
+    if not 0 <= process_index < num_processes:
+        raise ValueError(f"process_index={process_index} is outside 0..{num_processes - 1}")
+
+
 def train_steps_per_epoch(num_samples: int, loader_batch: int, num_processes: int, step_multiple: int = 1) -> int:
     """Full global batches per epoch, rounded down to whole gradient-accumulation groups.
 

@@ -66,10 +66,7 @@ def snapshot() -> dict[str, Any]:
     for key, name in _COUNTERS:
         snap[key] = int(met.counter_value(name) or 0)
 
-    # executed_fallback_ops() names the ops; the aten::* counters hold how often each ran.
-    names = set(met.executed_fallback_ops()) | {n for n in met.counter_names() if n.startswith("aten::")}
-    fallbacks = {name: int(met.counter_value(name) or 0) for name in sorted(names)}
-    fallbacks = {name: count for name, count in fallbacks.items() if count}
+    fallbacks = _fallbacks()
     snap["fallback_ops"] = fallbacks
     snap["cpu_fallback_ops"] = {n: c for n, c in fallbacks.items() if n != SCALAR_READ_OP}
     snap["scalar_reads"] = fallbacks.get(SCALAR_READ_OP, 0)
@@ -113,13 +110,19 @@ def transfers_since(wall_time: float) -> int:
     return sum(1 for when, _ in data[2] if when > wall_time) if data else 0
 
 
-def fallback_counts() -> dict[str, int]:
-    """How often each op that falls back to the CPU has run so far (scalar reads left out)."""
+def _fallbacks() -> dict[str, int]:
+    """Every op that ran on the CPU so far, scalar reads included, with its count (by name)."""
     import torch_xla.debug.metrics as met
 
+    # executed_fallback_ops() names the ops; the aten::* counters hold how often each ran.
     names = set(met.executed_fallback_ops()) | {n for n in met.counter_names() if n.startswith("aten::")}
-    counts = {name: int(met.counter_value(name) or 0) for name in sorted(names) if name != SCALAR_READ_OP}
+    counts = {name: int(met.counter_value(name) or 0) for name in sorted(names)}
     return {name: count for name, count in counts.items() if count}
+
+
+def fallback_counts() -> dict[str, int]:
+    """How often each op that falls back to the CPU has run so far (scalar reads left out)."""
+    return {name: count for name, count in _fallbacks().items() if name != SCALAR_READ_OP}
 
 
 def compile_seconds() -> float:

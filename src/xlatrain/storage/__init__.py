@@ -239,6 +239,15 @@ def upload(local: str | os.PathLike[str], url: str) -> None:
     retrying("writing", url, lambda: fs.put_file(os.fspath(local), path))
 
 
+def write_synced(path: Path, data: bytes) -> None:
+    """Write ``data`` to the local file ``path`` and fsync it (no rename: the caller makes the
+    directory that holds it visible atomically)."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def write_bytes(url: str, data: bytes) -> None:
     fs, path = filesystem(url)
     retrying("writing", url, lambda: fs.pipe_file(path, data))

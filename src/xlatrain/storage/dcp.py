@@ -39,6 +39,8 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
+from xlatrain.storage import write_synced
+
 INDEX_FILE = "index.json"
 INDEX_FORMAT = 1
 
@@ -63,13 +65,6 @@ def sha256_file(path: str | os.PathLike[str]) -> str:
         for block in iter(lambda: f.read(1 << 22), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 class SafeShardWriter(StorageWriter):
@@ -118,7 +113,7 @@ class SafeShardWriter(StorageWriter):
                 storage_data={"file": file_name, "key": key},
             ))
         blob = st_save(tensors)
-        _write_synced(self.path / file_name, blob)
+        write_synced(self.path / file_name, blob)
         digest = hashlib.sha256(blob).hexdigest()
         # The file's checksum travels to the coordinator with the results.
         results = [dataclasses.replace(r, storage_data={**r.storage_data, "sha256": digest}) for r in results]
@@ -155,7 +150,7 @@ class SafeShardWriter(StorageWriter):
             "files": files,
             "planner_data": _jsonable_planner_data(metadata.planner_data),
         }
-        _write_synced(self.path / INDEX_FILE, (json.dumps(index, indent=1) + "\n").encode())
+        write_synced(self.path / INDEX_FILE, (json.dumps(index, indent=1) + "\n").encode())
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

@@ -30,15 +30,14 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from xlatrain.progress import EpochProgress
-from xlatrain.train.callbacks import Callbacks
+from xlatrain.train.callbacks import HOOKS, Callbacks
 
 if TYPE_CHECKING:
     from xlatrain.diagnostics.profile import StepTrace
     from xlatrain.diagnostics.run import RunDiagnostics
     from xlatrain.tensorboard import TensorBoardLog
 
-# Hooks the user's callbacks also hear, called after xlatrain's own observers.
-_PUBLIC = ("on_fit_start", "on_epoch_start", "on_interval", "on_epoch_end", "on_checkpoint", "on_fit_end")
+# Hooks only xlatrain's own observers hear. The public HOOKS the user's callbacks hear as well, after them.
 _INTERNAL = ("on_steps_start", "on_steps_stop", "on_step_start", "on_step_end", "on_state_remade", "on_epoch_row",
              "on_epoch_written", "on_run_end")
 
@@ -50,11 +49,11 @@ class Observers:
         self._user = user
         self._own = list(own)
         self._bound = {hook: [getattr(o, hook) for o in self._own if callable(getattr(o, hook, None))]
-                       for hook in (*_PUBLIC, *_INTERNAL)}
+                       for hook in (*HOOKS, *_INTERNAL)}
         self._wrappers = [o.batches for o in self._own if callable(getattr(o, "batches", None))]
 
     def wants(self, hook: str) -> bool:
-        return bool(self._bound[hook]) or (hook in _PUBLIC and self._user.wants(hook))
+        return bool(self._bound[hook]) or (hook in HOOKS and self._user.wants(hook))
 
     def hooks(self, hook: str) -> list[Callable[..., Any]]:
         """xlatrain's own functions for an internal hook, for a loop to call without a lookup."""
@@ -63,7 +62,7 @@ class Observers:
     def call(self, hook: str, *args: Any) -> None:
         for fn in self._bound[hook]:
             fn(*args)
-        if hook in _PUBLIC:
+        if hook in HOOKS:
             self._user.call(hook, *args)
 
     def batches(self, batches: Iterable[Any], phase: str, epoch: int, first_step: int = 1) -> Iterable[Any]:
