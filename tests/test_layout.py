@@ -113,6 +113,68 @@ def test_no_module_of_the_package_imports_itself_back_through_others():
     assert cycles(graph) == []
 
 
+def _outside_modules(tree: ast.AST) -> set[str]:
+    """The modules outside the package that a module imports when it runs (``from torch import
+    distributed`` is ``torch.distributed``), and the ``torch.distributed`` it reaches as an attribute."""
+    found = set()
+    for node in _run_imports(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif not node.level and node.module:
+            found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    if any(isinstance(n, ast.Attribute) and ast.unparse(n) == "torch.distributed" for n in ast.walk(tree)):
+        found.add("torch.distributed")
+    return found
+
+
+def _modules_using(packages: tuple[str, ...], allowed) -> list[str]:
+    """The package's files, outside those ``allowed`` (a test of the path under src/xlatrain/),
+    that use one of ``packages`` or a module in one."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        used = _outside_modules(ast.parse(path.read_text()))
+        if not allowed(rel) and any(n == p or n.startswith(f"{p}.") for n in used for p in packages):
+            found.append(rel)
+    return found
+
+
+def test_the_outside_module_finder_sees_a_function_level_import_and_an_attribute():
+    code = """
+import torch
+def f():
+    from torch import distributed
+def g():
+    return torch.distributed.get_rank()
+"""
+    assert _outside_modules(ast.parse(code)) == {"torch", "torch.distributed"}
+    assert _outside_modules(ast.parse("import torch\nx = torch.nn")) == {"torch"}
+
+
+def test_only_the_backend_and_the_dcp_storage_touch_torch_distributed():
+    strays = _modules_using(("torch.distributed",), lambda rel: rel.startswith("backend/") or rel == "storage/dcp.py")
+    assert strays == [], (f"{strays} use torch.distributed: only backend/ does (and storage/dcp.py, DCP's storage); "
+                          "take the collective from the Strategy")
+
+
+def test_torch_xla_is_imported_in_the_backend_the_diagnostics_and_the_doctor_alone():
+    strays = _modules_using(("torch_xla",), lambda rel: rel.startswith(("backend/", "diagnostics/", "doctor/")))
+    assert strays == [], f"{strays} import torch_xla: only backend/, diagnostics/ and doctor/ do"
+
+
+def test_only_storage_imports_the_object_store_libraries():
+    strays = _modules_using(("fsspec", "gcsfs"), lambda rel: rel.startswith("storage/"))
+    assert strays == [], f"{strays} import fsspec or gcsfs: where bytes live is storage/"
+
+
+def test_the_core_never_imports_a_recipe_except_the_command_line():
+    graph = import_graph(_modules())
+    strays = sorted(name for name, edges in graph.items()
+                    if not name.startswith("xlatrain.recipes") and name != "xlatrain.cli"
+                    and any(e == "xlatrain.recipes" or e.startswith("xlatrain.recipes.") for e in edges))
+    assert strays == [], f"{strays} import xlatrain.recipes: recipes import the core, never the reverse"
+
+
 def test_where_bytes_live_is_one_folder():
     top = {p.stem for p in PACKAGE.glob("*.py")}
     strays = sorted(n for n in top if "storage" in n or n in ("run_lock", "shard_storage"))

@@ -36,6 +36,21 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1")) if launched_by_torchrun() else 1
 
 
+def gloo_group_active() -> bool:
+    """Whether this process's default process group runs over gloo (xlatrain's or the user's)."""
+    return dist.is_available() and dist.is_initialized() and "gloo" in str(dist.get_backend()).lower()
+
+
+def gather_in_group(obj: Any) -> list[Any] | None:
+    """``obj`` from every process of the default process group (a host gather), or ``None``
+    where there is no group of several processes."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, obj)
+    return parts
+
+
 def _destroy_process_group() -> None:
     """Tear down the group xlatrain made while the interpreter is still whole.
 

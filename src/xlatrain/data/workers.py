@@ -35,9 +35,9 @@ def fork_hang_note(num_workers: int | None, version: str | None = None) -> str |
     fixed = fork_fix_release(version)
     if not num_workers or fixed is None:
         return None
-    import torch.distributed as dist
+    from xlatrain.backend.processes import gloo_group_active
 
-    if not (dist.is_available() and dist.is_initialized() and "gloo" in str(dist.get_backend()).lower()):
+    if not gloo_group_active():
         return None
     return (f"Python {version} can hang a loader worker as it forks after gloo collectives (CPython gh-112275, "
             f"fixed in {fixed}): a run that stalls as an epoch or an evaluation starts its {num_workers} worker(s) "

@@ -16,9 +16,14 @@ classes that have ground truth. It is not COCO's mAP@[.5:.95] (torchmetrics'
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from xlatrain.backend.processes import gather_in_group
+
+if TYPE_CHECKING:
+    from xlatrain.backend.base import Strategy
 
 
 class DetectionMAP:
@@ -34,7 +39,7 @@ class DetectionMAP:
         {'map50': 1.0}
     """
 
-    combines_processes = True  # compute() gathers every process's matches (_merged)
+    combines_processes = True  # compute(strategy) gathers every process's matches (_merged)
 
     def __init__(self, iou_threshold: float = 0.5) -> None:
         if not 0.0 < iou_threshold <= 1.0:
@@ -68,26 +73,29 @@ class DetectionMAP:
                         taken[best] = hit = True
                 self._detections.setdefault(cls, []).append((float(scores[i]), hit))
 
-    def compute(self) -> dict[str, float]:
-        detections, truths = self._merged()
+    def compute(self, strategy: Strategy | None = None) -> dict[str, float]:
+        """mAP over what every process saw: of ``strategy`` (the Trainer passes its own), else of
+        torch.distributed's default group where one runs."""
+        detections, truths = self._merged(strategy)
         aps = [_average_precision(detections.get(cls, []), n) for cls, n in sorted(truths.items()) if n > 0]
         key = f"map{round(self.iou_threshold * 100)}"
         return {key: float(sum(aps) / len(aps)) if aps else float("nan")}
 
-    def _merged(self) -> tuple[dict[int, list[tuple[float, bool]]], dict[int, int]]:
-        """Every process's matches (a host gather where torch.distributed runs several)."""
-        dist = torch.distributed
-        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-            return self._detections, self._truths
-        parts: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, (self._detections, self._truths))
+    def _merged(self, strategy: Strategy | None) -> tuple[dict[int, list[tuple[float, bool]]], dict[int, int]]:
+        """Every process's matches (a host gather where the strategy runs several processes)."""
+        mine = (self._detections, self._truths)
+        parts = strategy.gather_objects(mine) if strategy is not None and strategy.num_processes > 1 else \
+            gather_in_group(mine) if strategy is None else None
+        if parts is None:
+            return mine
         detections: dict[int, list[tuple[float, bool]]] = {}
         truths: dict[int, int] = {}
+        # int(cls): a gather through JSON (torch_xla's) gives the class keys back as strings.
         for dets, counts in parts:
             for cls, found in dets.items():
-                detections.setdefault(cls, []).extend(found)
+                detections.setdefault(int(cls), []).extend(found)
             for cls, n in counts.items():
-                truths[cls] = truths.get(cls, 0) + n
+                truths[int(cls)] = truths.get(int(cls), 0) + n
         return detections, truths
 
 

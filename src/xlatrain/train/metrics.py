@@ -18,6 +18,7 @@ from xlatrain.backend.base import Runtime, Strategy
 from xlatrain.data.sampling import EvalSampler
 from xlatrain.logs import get_logger
 from xlatrain.train.batch import tree_flatten, tree_map, tree_unflatten
+from xlatrain.train.detection import DetectionMAP
 from xlatrain.train.losses import EvalLoss
 
 log = get_logger(__name__)
@@ -366,7 +367,9 @@ class EvalAccumulator:
             out["accuracy"] = correct / count
             out.update({f"top{k}_accuracy": c / count for k, c in zip(self.top_k, top_correct)})
         if self.streaming is not None:
-            found = self.streaming.compute()
+            # DetectionMAP joins the processes through the strategy; torchmetrics' metrics sync themselves.
+            through_strategy = isinstance(self.streaming, DetectionMAP)
+            found = self.streaming.compute(strategy) if through_strategy else self.streaming.compute()
             if hasattr(self.streaming, "reset"):
                 self.streaming.reset()
             out.update(_metric_values(self.streaming, found, say=strategy.is_main))
