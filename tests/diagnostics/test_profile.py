@@ -279,3 +279,27 @@ def test_on_a_gpu_tiny_kernels_are_told_the_host_set_the_pace_and_large_matmuls_
 
     alone, both = traced("forward", forward), traced("backward", forward_backward)
     assert both["device"]["kernels_per_step"] > alone["device"]["kernels_per_step"] + 1
+
+
+@pytest.mark.parametrize("reads_per_step", [0, 1])
+def test_the_trainers_own_planned_reads_are_not_counted_as_the_users(tmp_path, reads_per_step):
+    # A clean fit with log_every=1 was said to make one .item()-style read a step: the Trainer's
+    # float() of its loss sums, on host copies (PLANNED_READ spans), which wait for no device.
+    import functools
+
+    from xlatrain import TrainConfig, Trainer
+
+    def loss_fn(out, y):
+        loss = F.cross_entropy(out, y)
+        for _ in range(reads_per_step):
+            loss.item()  # the user's own read
+        return loss
+
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 6, generator=g), torch.randint(0, 3, (64,), generator=g))
+    trainer = Trainer(nn.Linear(6, 3), loss_fn, functools.partial(torch.optim.SGD, lr=0.1),
+                      config=TrainConfig(epochs=1, batch_size=8, log_every=1, profile_steps=(3, 5), tensorboard=False,
+                                         run_dir=str(tmp_path / "run")), accelerator="cpu")
+    trainer.fit(data)
+    summary = json.loads((tmp_path / "run" / "profile" / "summary.json").read_text())
+    assert summary["transfers"]["scalar_reads"] == 3 * reads_per_step, summary["transfers"]

@@ -319,6 +319,11 @@ def _unb64(text: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
 
 
+# The profiler span around each planned read's callback (``Runtime.defer``): the trace's own
+# ``.item()``-style reads inside it are the Trainer's, on host copies, not the user's.
+PLANNED_READ = "xlatrain: planned read"
+
+
 def host_rng_state() -> dict[str, Any]:
     """Python, NumPy and torch CPU generator states, as JSON-able data."""
     version, internal, gauss = random.getstate()

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from xlatrain.backend.base import _b64, _unb64, host_rng_state, seed_host, set_host_rng_state
+from xlatrain.backend.base import PLANNED_READ, _b64, _unb64, host_rng_state, seed_host, set_host_rng_state
 from xlatrain.backend.errors import BackendUnavailableError
 from xlatrain.backend.processes import PROCESS_GROUP
 from xlatrain.tree import tree_map
@@ -107,7 +107,9 @@ class NativeRuntime:
         if self.kind != "cuda":
             # CPU: the values exist now. TorchTPU has no queryable events (Event.query raises),
             # so the read waits for the device here, once per log interval.
-            fn(*[t.detach().to("cpu") for t in tensors])
+            host = [t.detach().to("cpu") for t in tensors]
+            with torch.profiler.record_function(PLANNED_READ):
+                fn(*host)
             return
         # Copy into pinned host memory without waiting; run fn once the copy has landed.
         host = [t.detach().to("cpu", non_blocking=True) for t in tensors]
@@ -127,7 +129,8 @@ class NativeRuntime:
                 return
             event.synchronize()
             self._pending.pop(0)
-            fn(*host)
+            with torch.profiler.record_function(PLANNED_READ):
+                fn(*host)
 
     def peak_flops(self, dtype: torch.dtype) -> tuple[float, str] | None:
         """Dense peak FLOP/s of this device in ``dtype`` (float32, bfloat16 or float16), and its source."""

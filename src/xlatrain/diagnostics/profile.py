@@ -46,6 +46,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from xlatrain.backend.base import PLANNED_READ
 from xlatrain.logs import get_logger
 
 log = get_logger(__name__)
@@ -621,7 +622,13 @@ def _torch_transfers(events: list[dict[str, Any]], platform: str) -> dict[str, A
             counts["from_device_bytes"] += size
         else:
             counts["device_to_device"] += 1
-    counts["scalar_reads"] = sum(1 for e in events if e.get("cat") == _CPU_OP and e.get("name") == _SCALAR_READ)
+    # The Trainer's own planned reads (on host copies, in the runtime's PLANNED_READ span) are not
+    # the user's: a clean run with log_every=1 was said to make one .item()-style read a step.
+    planned = [(e.get("tid"), e["ts"], e["ts"] + e["dur"]) for e in events
+               if e.get("name") == PLANNED_READ and _timed(e)]
+    counts["scalar_reads"] = sum(
+        1 for e in events if e.get("cat") == _CPU_OP and e.get("name") == _SCALAR_READ
+        and not (_timed(e) and any(tid == e.get("tid") and lo <= e["ts"] <= hi for tid, lo, hi in planned)))
     counts["source"] = "none: the CPU is the device" if platform == "cpu" else "the trace's memcpy events"
     return counts
 
