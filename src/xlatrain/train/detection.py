@@ -16,7 +16,7 @@ classes that have ground truth. It is not COCO's mAP@[.5:.95] (torchmetrics'
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
