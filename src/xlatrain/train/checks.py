@@ -275,6 +275,17 @@ def check_task(task: str, outputs: Any, targets: Any, top_k: Sequence[int] = (),
                 f"(or class probabilities of the logits' shape), but the model returned {shape(outputs)} and the "
                 f"targets are {shape(targets)}: {fix}"
             )
+        if task_given and targets.is_floating_point() and outputs.shape[1] > 1:
+            # One read of the dry run's targets: 0/1 rows that are not one-hot are several labels each.
+            t = targets.detach().float()
+            binary, distribution = torch.stack([((t == 0) | (t == 1)).all(),
+                                                ((t.sum(dim=1) - 1).abs() <= 1e-3).all()]).tolist()
+            if binary and not distribution:
+                raise ValueError(
+                    f"task='classification' was set, but the targets {shape(targets)} are multi-hot (rows of 0s and "
+                    "1s with several 1s or none), which accuracy over one class per row cannot score: set "
+                    "task='multilabel' (per-label AUC; trainer.task on the command line), or leave task to 'auto'"
+                )
         if top_k and max(top_k) > outputs.shape[1]:
             raise ValueError(
                 f"top_k={tuple(top_k)} asks for top-{max(top_k)} accuracy, but the model has {outputs.shape[1]} outputs "

@@ -315,12 +315,13 @@ class EvalAccumulator:
                 weight = (weights_B * mask_B).sum()
                 self.weight = weight if self.weight is None else self.weight + weight
         if self.task == "classification":
-            if targets.is_floating_point():  # soft targets (label smoothing, mixup): their likeliest class
-                targets = targets.argmax(dim=1)
-            hit_B = (predictions.argmax(dim=1) == targets) & valid_B
+            # Soft targets (label smoothing, mixup) count their likeliest class; a metrics_fn and the
+            # rows kept still get the targets as they are.
+            classes_B = targets.argmax(dim=1) if targets.is_floating_point() else targets
+            hit_B = (predictions.argmax(dim=1) == classes_B) & valid_B
             self.correct = self.correct + hit_B.sum().to(self.correct.dtype)
             if self.top_k:
-                top_BK = predictions.topk(max(self.top_k), dim=1).indices == targets[:, None]
+                top_BK = predictions.topk(max(self.top_k), dim=1).indices == classes_B[:, None]
                 for i, k in enumerate(self.top_k):
                     hits = top_BK[:, :k].any(dim=1) & valid_B
                     self.top_correct[i] = self.top_correct[i] + hits.sum().to(self.correct.dtype)
