@@ -911,3 +911,18 @@ def test_sigterm_under_torchrun_stops_every_rank_at_one_step_and_resumes_exactly
     assert "stopped after epoch 1 step 6;" in stop
     assert _without_timing(resumed) == _without_timing(whole)
     assert (tmp_path / "in-val" / "final.safetensors").read_bytes() == (whole_dir / "final.safetensors").read_bytes()
+
+
+def test_a_stop_signal_with_checkpoints_off_is_stopped_not_preempted_and_the_same_command_starts_over(tmp_path):
+    # status.json said "preempted" (requeue) with no checkpoint, and the rerun was refused for
+    # results that were an empty history.
+    with pytest.raises(SystemExit):
+        _tiny_trainer(tmp_path, checkpoint=False, callbacks=[_StopAt(1, 4)], epochs=2).fit(_tiny_data())
+    status = json.loads((tmp_path / "status.json").read_text())
+    assert status["state"] == "stopped" and status["checkpoint"] is None, status
+    assert json.loads((tmp_path / "history.json").read_text()) == []
+    history = _tiny_trainer(tmp_path, checkpoint=False, epochs=2).fit(_tiny_data())
+    assert len(history) == 2
+    # Once an epoch is written, its results are not trained over unasked.
+    with pytest.raises(xlatrain.storage.lock.RunDirError, match=r"holds an earlier run's results \(history.json"):
+        _tiny_trainer(tmp_path, checkpoint=False, epochs=3).fit(_tiny_data())

@@ -421,8 +421,10 @@ def preempt(trainer: Trainer, cursor: Cursor, sums: dict[str, torch.Tensor], sto
     if trainer.strategy.is_main:
         write_history(trainer.run_dir, trainer.history)
     name = signal.Signals(stop.signum).name if stop.signum else "a stop requested on another process"
-    trainer._dir.write_status("preempted", signal=name, checkpoint=path.name if path else None,
-                              epoch=cursor.epoch, step=cursor.step)
+    # With checkpoints off nothing can continue: "stopped", so that a requeue on "preempted" does not
+    # start the run over from its first step.
+    trainer._dir.write_status("preempted" if trainer.checkpoint.enabled else "stopped", signal=name,
+                              checkpoint=path.name if path else None, epoch=cursor.epoch, step=cursor.step)
     trainer.strategy.barrier()
     # A process that was not signalled stops because a peer was: every process stops at this
     # same step, and only a Ctrl-C (SIGINT) of this process makes its exit code non-zero.

@@ -221,7 +221,8 @@ class RunDirectory:
                 f"{self.path} holds {len(damaged)} checkpoint(s) and none can be loaded: " + "; ".join(damaged) + ". "
                 + ways
             )
-        left = [name for name in ("history.json", "best.safetensors") if (self.path / name).exists()]
+        left = [name for name in ("history.json", "best.safetensors") if (self.path / name).exists()
+                and not (name == "history.json" and _no_epochs(self.path / name))]
         if self._strategy.num_processes > 1:  # the main process's copy decides (another host's holds none of it)
             left = self._strategy.gather_objects(left if self._strategy.is_main else None)[0]
         if left:
@@ -229,6 +230,14 @@ class RunDirectory:
                 f"{self.path} holds an earlier run's results ({', '.join(left)}) but no checkpoint to continue it from "
                 "(checkpoints were off, or removed); training here would replace them. " + ways
             )
+
+
+def _no_epochs(history: Path) -> bool:
+    """A history that holds no epoch (a run stopped in its first, with checkpoints off): no results."""
+    try:
+        return json.loads(history.read_text()) == []
+    except (OSError, ValueError):
+        return False
 
 
 def make_run_dir(path: Path) -> None:
