@@ -112,3 +112,10 @@ def test_yaml_reads_a_rate_written_without_a_dot_as_the_float_it_is():
     data = load_yaml("optimizer:\n  lr: 2e-3\n  weight_decay: 1E-4\n  eps: 1.0e-8\nrun:\n  name: v1e3\n  tag: '2e-3'\n")
     assert data["optimizer"] == {"lr": 0.002, "weight_decay": 0.0001, "eps": 1e-8}
     assert data["run"] == {"name": "v1e3", "tag": "2e-3"}  # words and quoted strings stay strings
+
+
+def test_a_run_dir_under_home_is_expanded_as_a_shell_would(monkeypatch, tmp_path):
+    # A YAML value or a quoted --set made a folder named "~" in the working directory.
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert TrainConfig(run_dir="~/runs/dig").run_dir == str(tmp_path / "runs" / "dig")
+    assert TrainConfig(run_dir="runs/~dig").run_dir == "runs/~dig"

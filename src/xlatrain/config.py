@@ -7,6 +7,7 @@ YAML files (and ``--set key=value`` overrides) only serialise these; every check
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -325,6 +326,9 @@ class TrainConfig:
             object.__setattr__(self, "profile_steps", check_profile_steps(self.profile_steps))
         if not self.run_dir:
             raise ValueError("run_dir is empty: give a directory for history and weights")
+        if isinstance(self.run_dir, str) and self.run_dir.startswith("~"):
+            # As a shell would: a YAML value or a quoted --set is not expanded, and made a folder named ~.
+            object.__setattr__(self, "run_dir", os.path.expanduser(self.run_dir))
 
 
 @dataclass(frozen=True, kw_only=True)
