@@ -565,6 +565,12 @@ def test_a_hugging_face_models_loss_type_is_settled_under_compile_only_where_tra
     gpt2 = transformers.GPT2LMHeadModel(gpt2.config)
     gpt2.loss_function = nn.functional.cross_entropy
     assert settle_loss_lookup(gpt2) is None and gpt2.loss_type is None
+    # The Trainer settles it under compile=True on the model's own loss only: with a loss_fn the
+    # model gets no labels and never calls its loss_function.
+    for loss_fn, compiled, settled in ((None, True, "ForCausalLM"), (nn.CrossEntropyLoss(), True, None), (None, False, None)):
+        gpt2 = transformers.GPT2LMHeadModel(gpt2.config)
+        Trainer(gpt2, loss_fn, torch.optim.SGD, config=TrainConfig(compile=compiled), accelerator="cpu")
+        assert gpt2.loss_type == settled, (loss_fn, compiled)
 
 
 def test_a_torchmetrics_metric_is_fed_each_batch_real_rows_and_computed_once(tmp_path):

@@ -540,9 +540,10 @@ class CompileWatch:
                 fix = (f"The break is inside the library code this line calls ({b.inner.func}): move the call out "
                        "of forward (into the data pipeline, or after the step) or use torch ops instead. " + fix)
             elif b.at is not None and _third_party(b.at.file):
-                fix = (f"This line is {_package(b.at.file)}'s own code, not yours: look for the setting of "
-                       f"{_package(b.at.file)} that avoids it (a warning it logs once, outside torch.compile, often "
-                       "names it), or compile the part of the model before it. What the break is: " + fix)
+                package = _package(b.at.file)
+                fix = (f"This line is {package}'s own code, not yours: look for the setting of {package} that "
+                       "avoids it (a warning it logs once, outside torch.compile, often names it), or compile the "
+                       "part of the model before it.")
             out.append((Finding("graph-break", f"graph break at {where}: {what}", evidence, fix), late > 0))
         rest = sites[MAX_SITES:]
         if rest:

@@ -226,7 +226,7 @@ class Trainer:
         self.channels_last, self._channels_last_note = channels_last_choice(cfg.channels_last, model, rt, cfg.precision)
         if self.channels_last:
             model = model.to(memory_format=torch.channels_last)
-        self._model_note = settle_loss_lookup(model) if cfg.compile else None
+        self._model_note = settle_loss_lookup(model) if cfg.compile and loss_fn is None else None
         self.model = st.prepare_model(model, self.precision, init_weights)
         # Training and evaluation run through this; under torch.compile each mode (train with
         # gradients, eval without) gets its own graph.
