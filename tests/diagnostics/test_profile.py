@@ -281,17 +281,22 @@ def test_on_a_gpu_tiny_kernels_are_told_the_host_set_the_pace_and_large_matmuls_
     assert both["device"]["kernels_per_step"] > alone["device"]["kernels_per_step"] + 1
 
 
-@pytest.mark.parametrize("reads_per_step", [0, 1])
-def test_the_trainers_own_planned_reads_are_not_counted_as_the_users(tmp_path, reads_per_step):
+@pytest.mark.parametrize(("reads_per_step", "in_callback"), [(0, False), (1, False), (1, True)])
+def test_the_trainers_own_planned_reads_are_not_counted_as_the_users(tmp_path, reads_per_step, in_callback):
     # A clean fit with log_every=1 was said to make one .item()-style read a step: the Trainer's
-    # float() of its loss sums, on host copies (PLANNED_READ spans), which wait for no device.
+    # float() of its loss sums, on host copies (PLANNED_READ spans), which wait for no device. A
+    # user's read in an on_interval callback is the user's.
     import functools
 
     from xlatrain import TrainConfig, Trainer
 
+    class ReadsWeights:
+        def on_interval(self, trainer, values):
+            trainer.model.weight.norm().item()
+
     def loss_fn(out, y):
         loss = F.cross_entropy(out, y)
-        for _ in range(reads_per_step):
+        for _ in range(reads_per_step if not in_callback else 0):
             loss.item()  # the user's own read
         return loss
 
@@ -299,7 +304,10 @@ def test_the_trainers_own_planned_reads_are_not_counted_as_the_users(tmp_path, r
     data = torch.utils.data.TensorDataset(torch.randn(64, 6, generator=g), torch.randint(0, 3, (64,), generator=g))
     trainer = Trainer(nn.Linear(6, 3), loss_fn, functools.partial(torch.optim.SGD, lr=0.1),
                       config=TrainConfig(epochs=1, batch_size=8, log_every=1, profile_steps=(3, 5), tensorboard=False,
-                                         run_dir=str(tmp_path / "run")), accelerator="cpu")
+                                         run_dir=str(tmp_path / "run")), accelerator="cpu",
+                      callbacks=[ReadsWeights()] if in_callback else [])
     trainer.fit(data)
     summary = json.loads((tmp_path / "run" / "profile" / "summary.json").read_text())
-    assert summary["transfers"]["scalar_reads"] == 3 * reads_per_step, summary["transfers"]
+    # A step's interval is read after the step's end, where the trace of steps 3-5 stops: the
+    # callback's reads in it are those of steps 3 and 4.
+    assert summary["transfers"]["scalar_reads"] == (2 if in_callback else 3 * reads_per_step), summary["transfers"]

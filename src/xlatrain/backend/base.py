@@ -319,8 +319,8 @@ def _unb64(text: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
 
 
-# The profiler span around each planned read's callback (``Runtime.defer``): the trace's own
-# ``.item()``-style reads inside it are the Trainer's, on host copies, not the user's.
+# The profiler span in which the Trainer turns its planned reads' host copies into numbers: the
+# trace's ``.item()``-style reads inside it are the Trainer's, not the user's.
 PLANNED_READ = "xlatrain: planned read"
 
 

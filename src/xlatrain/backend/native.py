@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from xlatrain.backend.base import PLANNED_READ, _b64, _unb64, host_rng_state, seed_host, set_host_rng_state
+from xlatrain.backend.base import _b64, _unb64, host_rng_state, seed_host, set_host_rng_state
 from xlatrain.backend.errors import BackendUnavailableError
 from xlatrain.backend.processes import PROCESS_GROUP
 from xlatrain.tree import tree_map
@@ -28,9 +28,10 @@ class NativeRuntime:
     """Eager CPU, CUDA or TorchTPU: one device per process.
 
     For TorchTPU, export its launch variables (topology, slice addresses), which the module prints
-    as plain ``NAME="value"`` lines: ``set -a; eval "$(python -m torch.tpu.distributed)"; set +a``
-    (or call ``torch.tpu.distributed.set_tpu_launch_env()`` in the parent process), then start
-    ``torchrun`` with one process per TPU device.
+    as plain ``NAME="value"`` lines, and start ``torchrun`` with one process per TPU device, in a
+    subshell, so that none of the variables stay in the shell:
+    ``( set -a; eval "$(python -m torch.tpu.distributed)"; set +a; torchrun --nproc-per-node N ... )``
+    (or call ``torch.tpu.distributed.set_tpu_launch_env()`` in the parent process of a launcher).
     """
 
     trace_kind = "torch"
@@ -107,9 +108,7 @@ class NativeRuntime:
         if self.kind != "cuda":
             # CPU: the values exist now. TorchTPU has no queryable events (Event.query raises),
             # so the read waits for the device here, once per log interval.
-            host = [t.detach().to("cpu") for t in tensors]
-            with torch.profiler.record_function(PLANNED_READ):
-                fn(*host)
+            fn(*[t.detach().to("cpu") for t in tensors])
             return
         # Copy into pinned host memory without waiting; run fn once the copy has landed.
         host = [t.detach().to("cpu", non_blocking=True) for t in tensors]
@@ -129,8 +128,7 @@ class NativeRuntime:
                 return
             event.synchronize()
             self._pending.pop(0)
-            with torch.profiler.record_function(PLANNED_READ):
-                fn(*host)
+            fn(*host)
 
     def peak_flops(self, dtype: torch.dtype) -> tuple[float, str] | None:
         """Dense peak FLOP/s of this device in ``dtype`` (float32, bfloat16 or float16), and its source."""

@@ -16,6 +16,7 @@ from typing import Any, NoReturn
 
 import torch
 
+from xlatrain.backend.base import PLANNED_READ
 from xlatrain.backend.model_state import IMPLEMENTATION_KEYS, optimizer_implementation, restore_implementation
 from xlatrain.train.checks import required_positional
 from xlatrain.train.ema import drop_averages
@@ -321,7 +322,8 @@ def save_checkpoint(trainer: Trainer, cursor: Cursor, sums: dict[str, torch.Tens
 def _write(trainer: Trainer, cursor: Cursor, sums: dict[str, torch.Tensor]) -> Path | None:
     rt, st, remote = trainer.runtime, trainer.strategy, trainer._dir.remote
     # Every process's generators and running sums, so each continues exactly as it was.
-    local = dict(zip(sums, (float(t) for t in rt.read(list(sums.values())))))
+    with torch.profiler.record_function(PLANNED_READ):
+        local = dict(zip(sums, (float(t) for t in rt.read(list(sums.values())))))
     lost = None
     if remote is not None and st.is_main and not remote.still_held():
         lost = remote.lost_to  # another run took the lock over: this one stops before it writes

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from xlatrain.backend import Backend, from_config, select_backend
+from xlatrain.backend.base import PLANNED_READ
 from xlatrain.backend.model_state import fused_optimizer, guarded_step, has_meta_tensors
 from xlatrain.backend.precision import Precision
 from xlatrain.checkpoint import write_weights
@@ -559,7 +560,8 @@ class Trainer:
                 self.optimizer.zero_grad(set_to_none=True)
             self._say(warning)
         # "skipped": steps skip_step skipped before a resume under another nan_policy (resumable.counted_as)
-        read = dict(zip(sums, rt.read([st.all_reduce_mean(t) for t in sums.values()])))
+        with torch.profiler.record_function(PLANNED_READ):
+            read = {k: float(t) for k, t in zip(sums, rt.read([st.all_reduce_mean(t) for t in sums.values()]))}
         bad, skipped = read.pop("nonfinite"), float(read.pop("skipped", 0.0))
         if ep.last_logged < ran and ran > first_step:
             self._interval(ep.meter, cursor.epoch, ep.last_logged + 1, ran, cursor.global_step)(read["loss"], bad)
@@ -814,12 +816,13 @@ class Trainer:
         if isinstance(lr, torch.Tensor) and lr.device.type != "cpu":
             lr = None  # a capturable optimizer keeps it on the device; not worth a read
 
-        def show(mean_loss_sum: torch.Tensor, nonfinite: torch.Tensor) -> None:
-            bad = float(nonfinite)  # a mean over processes
+        def show(mean_loss_sum: torch.Tensor | float, nonfinite: torch.Tensor | float) -> None:
+            with torch.profiler.record_function(PLANNED_READ):  # a step trace tells these from the user's reads
+                bad, loss_sum = float(nonfinite), float(mean_loss_sum)  # means over processes
             if bad > 0 and self.config.nan_policy == "stop":
                 # Raised by the training loop right after this read, not inside the runtime's callback.
                 self._nonfinite = (epoch, first, step, round(bad * self.strategy.counting_processes))
-            stats = meter.measure(step, loss_sum=float(mean_loss_sum), nonfinite=bad)
+            stats = meter.measure(step, loss_sum=loss_sum, nonfinite=bad)
             rate = stats.samples_per_s
             figures = self.throughput.figures(rate) if self.throughput is not None and rate is not None else {}
             self._observers.call("on_interval", self, {
