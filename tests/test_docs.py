@@ -200,6 +200,12 @@ def _needs_hardware(env: dict[str, str], text: str) -> str | None:
 
 def check_names(command: str) -> str:
     """Check what ``command`` names without running it; returns what was checked."""
+    if command.lstrip().startswith("("):  # a subshell (TorchTPU's launch): each command in it
+        inner = re.fullmatch(r"\s*\((.*?)\)\s*(?:#.*)?", command, re.S)
+        assert inner, f"cannot check {command}"
+        parts = [part.strip() for part in re.split(r"&&|;", inner.group(1))]
+        checked = [check_names(part) for part in parts if part and part not in ("set -a", "set +a")]
+        return "in a subshell: " + "; ".join(checked)
     env, tokens = _split_env(shlex.split(command, comments=True))
     prog = Path(tokens[0]).name
     if prog == "make":
@@ -276,7 +282,7 @@ def run_command(command: str, cwd: Path, exits: int = 0) -> str:
         ran = [run_command(line, cwd, exits) for line in make_recipe(tokens[1])]
         return f"ran its recipe ({'; '.join(ran)})"
     needs = _needs_hardware(env, command)
-    if needs or Path(tokens[0]).name in ("make", "pip", "set", "eval", "gcloud", "tensorboard"):
+    if needs or Path(tokens[0]).name in ("make", "pip", "(", "set", "eval", "gcloud", "tensorboard"):
         return f"checked ({needs or Path(tokens[0]).name}): {check_names(command)}"
     python = sys.executable
     if tokens[0].startswith(".venv-xla/"):
@@ -408,10 +414,11 @@ WORKER_VARS = ("TORCH_TPU_TOPOLOGY", "TORCH_TPU_SLICEBUILDER_ADDRESSES", "TORCH_
 
 def tpu_launches() -> list[tuple[str, str]]:
     """Each TorchTPU launch the pages show, as shell text: the line that reads the launch variables
-    and the torchrun line after it, or a gcloud line's remote command; and the devices=N hint's."""
+    and runs torchrun (or, written as two lines, that line and the torchrun line after it), or a
+    gcloud line's remote command; and the devices=N hint's (tests/backend/test_tpu_launch.py)."""
     from xlatrain.backend import TPU_LAUNCH_ENV, torchrun_command
 
-    found = [("the devices=N hint", TPU_LAUNCH_ENV + "\n" + torchrun_command(4, ["train.py"]))]
+    found = [("the devices=N hint", f"( {TPU_LAUNCH_ENV}; {torchrun_command(4, ['train.py'])} )")]
     for page in PAGES:
         for block in blocks(page):
             if block.lang not in ("bash", "sh"):
@@ -423,6 +430,8 @@ def tpu_launches() -> list[tuple[str, str]]:
                 where = f"{block.page}:{block.line}"
                 if line.lstrip().startswith("gcloud"):
                     found.append((f"{where} gcloud", re.search(r"--command=(['\"])(.*)\1", line).group(2)))
+                elif "torchrun" in line:
+                    found.append((where, line))
                 else:
                     assert i + 1 < len(lines) and "torchrun" in lines[i + 1], f"{where}: no torchrun after {line!r}"
                     found.append((where, line + "\n" + lines[i + 1]))
@@ -471,11 +480,39 @@ def test_each_torchtpu_launch_hands_torchrun_and_its_workers_the_launch_variable
         # Where the module takes its single-host path (no TPU_WORKER_HOSTNAMES), the launch stops.
         proc, _, args = _launch(script, LAUNCH_ENV["one host"], tmp_path)
         assert proc.returncode != 0 and args is None, f"{where}: a multi-host launch went on with one host's variables"
-    if where == "the devices=N hint":  # two commands to type one at a time: the module's error shows at the first
+    if where == "the devices=N hint":  # its torchrun starts the devices=N processes asked for
         return
     # Where the module printed nothing (it failed, its error on stderr), torchrun does not start.
     proc, _, args = _launch(script, "", tmp_path)
     assert proc.returncode != 0 and args is None, f"{where}: torchrun started without TorchTPU's launch variables"
+
+
+# A launch typed into a shell leaves nothing set there: torch_tpu keeps a launch variable that is
+# already set (set_tpu_launch_env never overwrites one), so a later launch would reuse this one's
+# slice-builder ports and xprof session; where the module then fails, ${WORLD_SIZE:?} would not stop
+# torchrun; and a later plain `xlatrain fit` would see WORLD_SIZE. A gcloud launch is left out: its
+# remote command is the whole of its ssh session's shell on each host.
+LOCAL_LAUNCHES = [pytest.param(w, s, id=w) for w, s in tpu_launches() if not w.endswith(" gcloud")]
+
+
+@pytest.mark.parametrize("where,script", LOCAL_LAUNCHES)
+def test_each_torchtpu_launch_leaves_no_launch_variable_in_the_shell_it_was_typed_into(where, script, tmp_path):
+    printed = LAUNCH_ENV["one host"]
+    launch_vars = [line.split("=")[0] for line in printed.splitlines()]
+    session = "\n".join([
+        script,
+        'compgen -v > "$OUT/shell_vars"; env > "$OUT/later_env"',  # the shell's variables; a later command's environment
+        f'rm -f "$OUT/args"; : > {tmp_path / "printed"}',  # the module fails (prints nothing) at the next launch
+        script,
+    ])
+    proc, _, args = _launch(session, printed, tmp_path)
+    shell_vars = set((tmp_path / "shell_vars").read_text().split())
+    later_env = {line.split("=", 1)[0] for line in (tmp_path / "later_env").read_text().splitlines()}
+    left = [name for name in launch_vars if name in shell_vars or name in later_env]
+    assert not left, f"{where}: the launch leaves {left} set in the shell it ran in: run it in a subshell, ( ... )"
+    assert not any(name.startswith("TORCH_TPU_") for name in shell_vars | later_env), where
+    if where != "the devices=N hint":  # its torchrun starts the devices=N processes asked for
+        assert args is None, f"{where}: a second launch whose module failed started torchrun: {proc.stderr}"
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch_tpu") is None, reason="TorchTPU is not installed")

@@ -19,12 +19,14 @@ def outside_torchrun(monkeypatch):
     monkeypatch.setenv("TORCH_TPU_TIER2_COMPILATION_CACHE", "disabled")  # select_backend sets it otherwise
 
 
-def test_several_tpu_devices_outside_torchrun_name_torchtpus_launch_variables_before_torchrun(monkeypatch, outside_torchrun):
+def test_several_tpu_devices_outside_torchrun_name_torchtpus_launch_and_torchrun_in_one_subshell(monkeypatch, outside_torchrun):
     monkeypatch.setattr(runtimes, "probe", lambda: TORCH_TPU_HOST)
     with pytest.raises(ValueError) as refused:
         select_backend("tpu", devices=4)
     message = str(refused.value)
-    assert f"`{TPU_LAUNCH_ENV}` and then `torchrun --nproc-per-node 4 " in message, message
+    # One command, in a subshell, so that none of the launch variables stay in the user's shell.
+    assert f"launch it with `( {TPU_LAUNCH_ENV}; torchrun --nproc-per-node 4 " in message, message
+    assert message.endswith(" )`"), message
     assert TPU_LAUNCH_ENV == 'set -a; eval "$(python -m torch.tpu.distributed)"; set +a'
 
 

@@ -91,7 +91,8 @@ def select_backend(
 
 
 # TorchTPU's launch variables for a shell launcher: the module prints plain NAME="value" lines, which
-# set -a exports, so that torchrun's workers see them.
+# set -a exports, so that torchrun's workers see them. The hint runs it and torchrun in a subshell,
+# ( ... ), so that none of them stay in the user's shell (the module keeps a variable already set).
 TPU_LAUNCH_ENV = 'set -a; eval "$(python -m torch.tpu.distributed)"; set +a'
 
 
@@ -125,7 +126,7 @@ def _native_backend(
         if devices <= 1:
             hint = "leave devices unset under torchrun"
         elif device_type == "tpu":
-            hint = f"launch it with `{TPU_LAUNCH_ENV}` and then `{torchrun_command(devices)}`"
+            hint = f"launch it with `( {TPU_LAUNCH_ENV}; {torchrun_command(devices)} )`"
         else:
             hint = f"launch it with `{torchrun_command(devices)}`"
         raise ValueError(

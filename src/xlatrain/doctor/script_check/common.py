@@ -178,8 +178,8 @@ _PORT_LAUNCH = _Port(
     "port:launch",
     "one process per TPU device: call torch.tpu.distributed.set_tpu_launch_env() in the parent "
     "and start the workers with torchrun or torch.multiprocessing.spawn (in a shell, "
-    "`set -a; eval \"$(python -m torch.tpu.distributed)\"; set +a` before torchrun exports the same "
-    "variables); each worker calls "
+    "`( set -a; eval \"$(python -m torch.tpu.distributed)\"; set +a; torchrun ... )` exports the same "
+    "variables to torchrun, in a subshell that leaves none of them set); each worker calls "
     "torch.distributed.init_process_group('tpu_dist')",
     "no worker function: Trainer(...).fit(...) drives every local device (SPMD on torch_xla); "
     "xlatrain.spawn(fn) when you want one process per chip",
