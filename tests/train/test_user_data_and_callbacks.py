@@ -332,6 +332,27 @@ def test_a_model_written_for_its_batch_size_on_its_own_loss_with_a_partial_last_
     assert fit(_FixedBatch(), nn.CrossEntropyLoss(), _data(BATCH + 5, seed=1))[-1]["val_loss"] > 0
 
 
+@pytest.mark.multiprocess
+def test_under_torchrun_a_model_written_for_its_batch_size_is_checked_on_every_process(tmp_path):
+    # The validation dry run gave the set's first batch to process 0 alone, so process 1 ran the
+    # model on 1 padding row and failed, even for a set of whole batches.
+    import shutil
+    import sys
+    from pathlib import Path
+
+    from conftest import SCRIPTS, run_bounded, script_env
+
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    for n, ok in ((32, True), (24, False)):
+        proc = run_bounded([torchrun, "--nproc-per-node", "2", "--master-port", "0", "--standalone",
+                            str(SCRIPTS / "fixed_batch_fit.py"), str(n), str(tmp_path / str(n))], script_env(), 240)
+        assert (proc.returncode == 0) is ok, proc.stdout + proc.stderr[-3000:]
+        lines = [(tmp_path / f"{n}-{rank}.txt").read_text() for rank in (0, 1)]
+        assert all(ln.startswith("OK ") is ok for ln in lines), lines
+        if not ok:
+            assert all("ends with a batch of no real row" in ln and "multiple of 16" in ln for ln in lines), lines
+
+
 def test_a_callback_without_any_hook_is_refused_at_once(tmp_path):
     with pytest.raises(TypeError, match="has none of the methods on_fit_start"):
         _trainer(tmp_path, callbacks=[object()])

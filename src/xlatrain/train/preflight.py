@@ -282,7 +282,9 @@ def _validation_batch(trainer: Trainer, val_data: Any) -> list[str] | None:
             # rows may not be enough for it, so what it raises or warns is not the run's.
             probe = None if trainer.metrics_fn is None or is_streaming(trainer.metrics_fn) else _NamesOf(trainer.metrics_fn)
             batch = None  # what fails from here failed in evaluation's own path, on these rows
-            trainer._evaluate(_Head(val_data, rows), probe, forward=model)  # the rows the model took above
+            # The rows the model took above, on every process (each process's block of the set's first
+            # global batch): a model written for its batch size gets a full batch on each.
+            trainer._evaluate(_Head(val_data, rows * trainer.strategy.num_processes), probe, forward=model)
             return probe.names if probe is not None else None
         return None
     except ValueError as exc:
@@ -301,10 +303,12 @@ def _validation_batch(trainer: Trainer, val_data: Any) -> list[str] | None:
 def _check_trimmed_batches(trainer: Trainer, val_data: Any) -> None:
     """A model that failed on 2 rows and took a full batch, scored on its own loss: evaluation cuts
     the padding rows off a last, partial batch (the loss cannot leave them out), so each such size
-    is tried now, where it failed after the first epoch had trained."""
-    layout = loader_layout(trainer.strategy, trainer.config.eval_batch_size or trainer.config.batch_size)
-    full = layout["loader_batch"]
-    counts = EvalSampler(len(val_data), **layout).valid_counts(trainer.strategy.process_index)
+    is tried now, where it failed after the first epoch had trained. Every process tries the sizes
+    of all (a sharded model's forward is a collective)."""
+    st = trainer.strategy
+    layout = loader_layout(st, trainer.config.eval_batch_size or trainer.config.batch_size)
+    full, sampler = layout["loader_batch"], EvalSampler(len(val_data), **layout)
+    counts = {c for p in range(st.num_processes) for c in sampler.valid_counts(p)}
     for rows in sorted({max(c, 1) for c in counts} - {full}):
         host = first_batch(val_data, rows=rows, collate_fn=trainer._eval_collate)
         batch = trainer._on_device(to_device(trainer, host), training=False)
@@ -312,13 +316,15 @@ def _check_trimmed_batches(trainer: Trainer, val_data: Any) -> None:
             with trainer.precision.autocast():
                 trainer.io.call(trainer.model, batch)
         except Exception as exc:
+            real = "no real row (1 row is kept: every process runs the model)" if rows == 1 and 0 in counts else \
+                f"{rows} real row(s)"
             raise ValueError(
-                f"the model takes a full batch of {full} rows but failed on {rows} ({type(exc).__name__}: {exc}), "
-                f"and the validation set of {len(val_data):,} samples ends with a batch of {rows} real row(s) on this "
-                "process. Under the model's own loss evaluation cannot keep padding rows (the loss would count "
-                f"them), so it cuts them. Pass a loss_fn (padding rows are then left out of the loss on the device "
-                f"and every batch keeps {full} rows), or a validation set whose length is a multiple of "
-                f"{full * trainer.strategy.num_processes}") from exc
+                f"the model takes a full batch of {full} rows but failed on {rows} ({type(exc).__name__}: {exc}), and "
+                f"the validation set of {len(val_data):,} samples ends with a batch of {real} on "
+                f"{'a process' if st.num_processes > 1 else 'it'}. Under the model's own loss evaluation cannot "
+                "keep padding rows (the loss would count them), so it cuts them. Pass a loss_fn (padding rows are "
+                f"then left out of the loss on the device and every batch keeps {full} rows), or a validation set "
+                f"whose length is a multiple of {full * st.num_processes}") from exc
 
 
 # Host memory a whole-set loss may keep without a word: past it, the header says how much.
