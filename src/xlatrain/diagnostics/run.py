@@ -83,6 +83,7 @@ class _Phase:
     passes: int = 0
     batches: int = 0
     wait_s: float = 0.0
+    first_wait_s: float = 0.0  # of wait_s, for each pass's first batch (a loader's workers start there)
     active_s: float = 0.0  # from each pass's first request for a batch to its end: steps and waits
     changes: list[dict[str, Any]] = field(default_factory=list)
     num_changes: int = 0
@@ -368,7 +369,10 @@ class RunDiagnostics:
                 if self._compile is not None:
                     self._compile.at(None, False)  # between passes: past any warm-up steps
                 return
-            state.wait_s += time.perf_counter() - t0
+            waited = time.perf_counter() - t0
+            state.wait_s += waited
+            if step < first_step:
+                state.first_wait_s += waited
             # Graphs compiled since the last probe belong to the previous step: its body ran since,
             # and the loader's fetch only launches what that step left pending.
             if step >= first_step:
@@ -712,9 +716,10 @@ class RunDiagnostics:
         if self._input_wait_is_evidence() and self._over_bound(eval_share) and eval_waited >= MIN_INPUT_WAIT_S:
             out.append(Finding(
                 "input-bound-eval", f"{100 * eval_share:.0f}% of validation time waited for input",
-                f"{eval_waited:.1f} s waiting for the next validation batch in {evaluated:.1f} s of evaluation",
-                self._feed_fix() + " The validation set is read with eval_collate_fn (else collate_fn) and the "
-                "same num_workers.",
+                f"{eval_waited:.1f} s waiting for the next validation batch in {evaluated:.1f} s of evaluation, "
+                "each pass's first batch left out (its loader's workers start there)",
+                self._feed_fix(counts=False) + " Validation's batches are made by eval_collate_fn (else collate_fn), in "
+                "a loader of its own: under num_workers='auto' its workers are sized from its own data.",
             ))
         if self._compile is not None:
             out.extend(self._compile.findings())
@@ -771,18 +776,18 @@ class RunDiagnostics:
         if phase == "train":
             waited = sum(e["input_wait_s"] for e in self._epochs)
             spent = sum(e["train_s"] for e in self._epochs)
-        else:
+        else:  # after each pass's first batch: validation's loader starts its workers for every pass
             p = self._phases.get(phase)
-            waited, spent = (p.wait_s, p.active_s) if p is not None else (0.0, 0.0)
+            waited, spent = (p.wait_s - p.first_wait_s, p.active_s - p.first_wait_s) if p is not None else (0.0, 0.0)
         return (min(1.0, waited / spent) if spent > 0 else 0.0), waited, spent
 
-    def _feed_fix(self) -> str:
-        """How to feed faster; what it says of num_workers follows what the run had and what
-        this host's CPUs give (more workers than CPUs only share them)."""
+    def _feed_fix(self, counts: bool = True) -> str:
+        """How to feed faster; what it says of num_workers follows what the training loader had
+        and what this host's CPUs give (more workers than CPUs only share them)."""
         fix = ("Feed faster: pack images into shards (`xlatrain pack`) and read them with ShardDataset, "
                "decode at the target size, send uint8 and normalise on the device")
-        if self._workers is None:
-            return fix + ", or give the reader more decode workers."
+        if self._workers is None or not counts:
+            return fix + ", or give the reader more decode workers (num_workers)."
         n, most = self._workers
         if n < most:
             return f"{fix}, or raise num_workers ({n} now; this host's CPUs give {most} beside the training process)."
