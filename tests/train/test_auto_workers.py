@@ -75,6 +75,18 @@ def test_data_in_memory_with_a_collate_that_takes_time_gets_the_machines_workers
     assert decode_workers("auto", items, batches=8, rows=8) == (0, "auto: a list is in memory, nothing to decode")
 
 
+def test_a_collate_fn_that_cannot_be_pickled_gets_no_workers_where_workers_are_not_forked(monkeypatch):
+    # A lambda collate over a list in memory was given workers, which spawn and forkserver (Linux's
+    # default from Python 3.14, macOS's spawn) cannot start: "Can't pickle local object".
+    items = [(torch.randn(4), torch.tensor(i % 2)) for i in range(64)]
+    slow = lambda batch: (time.sleep(0.01), collate(batch))[1]  # noqa: E731
+    monkeypatch.setattr(feed.multiprocessing, "get_start_method", lambda allow_none=False: "forkserver")
+    workers, why = decode_workers("auto", items, batches=8, rows=8, collate_fn=slow)
+    assert workers == 0 and "cannot be pickled for a worker process (start method 'forkserver')" in why
+    monkeypatch.setattr(feed.multiprocessing, "get_start_method", lambda allow_none=False: "fork")  # a forked worker inherits it
+    assert decode_workers("auto", items, batches=8, rows=8, collate_fn=slow) == auto_workers(8)
+
+
 def test_a_number_is_used_as_given_whatever_the_data_costs():
     assert decode_workers(3, Noisy(), batches=8, rows=8) == (3, "as configured")
     assert decode_workers(0, Noisy(sleep_s=0.002), batches=8, rows=8) == (0, "as configured")

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import multiprocessing
+import pickle
 import random
 import signal
 import time
@@ -20,6 +22,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
 
+from xlatrain.backend.hardware import cpu_share
 from xlatrain.data.workers import auto_workers
 
 from xlatrain.backend.base import Runtime, Strategy, host_rng_state, set_host_rng_state
@@ -63,6 +66,14 @@ def decode_workers(
     if spent is not None:
         return 0, (f"auto: a batch of {min(rows, len(dataset))} took {1e3 * spent:.2f} ms to make here, less than "
                    "taking one from a worker would cost")
+    # The start method in force, else the default (asking without allow_none would fix it for the user).
+    method = multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
+    if method != "fork" and collate_fn is not collate:
+        try:  # a worker started by spawn or forkserver gets the collate_fn pickled
+            pickle.dumps(collate_fn)
+        except Exception:  # noqa: BLE001 - any failure to pickle is the same answer
+            return 0, (f"auto: collate_fn {collate_fn!r} cannot be pickled for a worker process (start method "
+                       f"{method!r}), so batches are made here; a collate_fn defined at a module's top level can be")
     return auto_workers(batches)
 
 
@@ -246,10 +257,11 @@ class TrainFeed:
 
     @property
     def worker_room(self) -> tuple[int, int] | None:
-        """The decode workers feeding this fit and the most ``num_workers="auto"`` gives on this
-        host (an epoch's batch count aside); ``None`` where the batches come from a source that
-        says nothing of its workers."""
-        return None if self.num_workers is None else (self.num_workers, auto_workers(2**31)[0])
+        """The decode workers feeding this fit and the most this host's CPUs give beside the
+        training process (its share of them less one, ``num_workers="auto"``'s rule without its
+        cap); ``None`` where the batches come from a source that says nothing of its workers."""
+        cpus, local = cpu_share()
+        return None if self.num_workers is None else (self.num_workers, max(cpus // local - 1, 0))
 
     def length_note(self) -> str | None:
         """A user's sampler whose length is not what it gives: the steps come from what it gives;
