@@ -54,3 +54,30 @@ def test_detection_map_under_torchrun_scores_the_whole_validation_set_on_every_p
     assert ranks[0]["own"] != ranks[0]["whole"] and ranks[1]["own"] != ranks[1]["whole"]  # each saw a part
     # Called by hand without a strategy, compute() joins torch.distributed's default group.
     assert ranks[0]["joined"] == ranks[1]["joined"] == pytest.approx(ranks[0]["whole"])
+
+
+def test_a_subclass_whose_compute_takes_no_strategy_is_called_as_written(tmp_path):
+    import functools
+
+    import xlatrain
+
+    class Renamed(DetectionMAP):
+        def compute(self):
+            return {"detections_map": super().compute()["map50"]}
+
+    class Detector(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(()))
+
+        def forward(self, images, targets=None):
+            if self.training:
+                return {"loss": self.w * 0 + sum(i.sum() for i in images) * 0 + self.w ** 2}
+            return [{"boxes": _box(0.0), "scores": torch.tensor([0.9]), "labels": torch.tensor([1])} for _ in images]
+
+    items = [(torch.zeros(3, 8, 8), {"boxes": _box(0.0), "labels": torch.tensor([1])}) for _ in range(8)]
+    trainer = xlatrain.Trainer(Detector(), None, functools.partial(torch.optim.SGD, lr=0.1),
+                               collate_fn=lambda batch: tuple(zip(*batch)), metrics_fn=Renamed(),
+                               config=xlatrain.TrainConfig(epochs=1, batch_size=4, run_dir=str(tmp_path),
+                                                           tensorboard=False), accelerator="cpu")
+    assert trainer.fit(items, items)[-1]["val_detections_map"] == 1.0

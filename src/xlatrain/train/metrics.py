@@ -7,6 +7,7 @@ every sum, so each real sample counts exactly once whatever the batch and device
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -368,8 +369,10 @@ class EvalAccumulator:
             out["accuracy"] = correct / count
             out.update({f"top{k}_accuracy": c / count for k, c in zip(self.top_k, top_correct)})
         if self.streaming is not None:
-            # DetectionMAP joins the processes through the strategy; torchmetrics' metrics sync themselves.
-            through_strategy = isinstance(self.streaming, DetectionMAP)
+            # DetectionMAP joins the processes through the strategy (a subclass whose compute() takes
+            # none, through torch.distributed's group); torchmetrics' metrics sync themselves.
+            through_strategy = isinstance(self.streaming, DetectionMAP) and \
+                "strategy" in inspect.signature(self.streaming.compute).parameters
             found = self.streaming.compute(strategy) if through_strategy else self.streaming.compute()
             if hasattr(self.streaming, "reset"):
                 self.streaming.reset()
