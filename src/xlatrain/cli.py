@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -230,8 +230,17 @@ USER_ERRORS = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    debug = "--debug" in argv or os.environ.get("XLATRAIN_DEBUG", "") not in ("", "0")
     args = build_parser().parse_args([a for a in argv if a != "--debug"])
+    return run_command(lambda _: args.func(args), argv)
+
+
+def run_command(command: Callable[[list[str]], int], argv: Sequence[str] | None = None) -> int:
+    """``command(argv)`` (``argv`` without ``--debug``) run as ``xlatrain``'s commands run: its
+    messages on the console, and an error that says what to fix (:data:`USER_ERRORS`) printed as
+    one ``xlatrain: error:`` line and returned as the exit status, without a traceback (``--debug``,
+    or XLATRAIN_DEBUG=1, shows it). ``python -m xlatrain.recipes.pe_detection.demo`` runs so too."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get("XLATRAIN_DEBUG", "") not in ("", "0")
     from xlatrain.backend.hardware import settle_libtpu_without_tpu, skip_idle_torch_tpu_autoload
     from xlatrain.logs import install_console_handler
 
@@ -240,7 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     settle_libtpu_without_tpu()
     install_console_handler()
     try:
-        return int(args.func(args))
+        return int(command([a for a in argv if a != "--debug"]))
     except Exception as exc:
         code = next((c for cls in type(exc).__mro__ for name, c in USER_ERRORS.items() if cls.__name__ == name), None)
         if code is None or debug:

@@ -1,6 +1,10 @@
 """``make pe-demo``: train the PE recipe on generated data and compare it with the prior baseline.
 
-    python -m xlatrain.recipes.pe_detection.demo [CONFIG.yaml] [--set key=value ...] [--fresh | --overwrite]
+    python -m xlatrain.recipes.pe_detection.demo [CONFIG.yaml] [--set key=value ...] [--fresh | --overwrite] [--debug]
+
+It runs as ``xlatrain fit`` does (:func:`xlatrain.cli.run_command`): its progress (generating and
+packing the data, then the epochs) on the console, and bad input as one ``xlatrain: error:`` line
+with exit status 2 instead of a traceback (``--debug`` shows it).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from xlatrain.recipes.run import run, with_launch_run_dir
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The demo; bad input raises (``python -m`` says it in one line, as ``xlatrain`` does)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config", nargs="?", default="configs/pe_detection.yaml")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
@@ -48,4 +53,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from xlatrain.cli import run_command
+
+    sys.exit(run_command(main))
