@@ -83,6 +83,7 @@ def build_model(
     num_outputs: int,
     in_channels: int = 3,
     pretrained: bool | str | Path = False,
+    pretrained_prefix: str | None = None,
     **kwargs: Any,
 ) -> nn.Module:
     """Build a model by name, with ``num_outputs`` outputs and ``in_channels`` input channels.
@@ -98,6 +99,9 @@ def build_model(
         pretrained: ``False``, or the path of a local weights file: ``.safetensors``, or
             ``.pt`` / ``.pth`` / ``.bin`` holding a state dict (read with ``weights_only=True``).
             ``True`` is an error: nothing is downloaded at run time.
+        pretrained_prefix: the name under which a model that wraps this one keeps it
+            (``"backbone."``): a file whose every key starts with it, the wrapper's own saved
+            weights (a recipe's ``best.safetensors``), is read without it.
         **kwargs: passed to the model's constructor (e.g. ``width=`` for ``resnet_unet``).
 
     Returns:
@@ -122,6 +126,8 @@ def build_model(
             "downloads at run time: pass pretrained='path/to/weights.safetensors' (or .pth) instead"
         )
     state = load_state_dict_file(path) if path is not None else None
+    if state and pretrained_prefix and all(k.startswith(pretrained_prefix) for k in state):
+        state = {k[len(pretrained_prefix):]: v for k, v in state.items()}
 
     if spec.torchvision:
         import torchvision
@@ -139,7 +145,7 @@ def build_model(
         model = SmallCNN(in_channels=in_channels, num_outputs=num_outputs, **kwargs)
 
     if state is not None:
-        _load_adapted(model, state, spec, source=str(path))
+        _load_adapted(model, state, spec, source=str(path), prefix=pretrained_prefix)
     return model
 
 
@@ -185,9 +191,9 @@ def load_state_dict_file(path: str | Path) -> dict[str, torch.Tensor]:
         )
     suffix = path.suffix.lower()
     if suffix == ".safetensors":
-        from safetensors.torch import load_file
+        from xlatrain.checkpoint import read_weights
 
-        obj: Any = load_file(str(path))
+        obj: Any = read_weights(path)  # tied weights (saved once by xlatrain) under each of their names
     elif suffix in (".pt", ".pth", ".bin"):
         try:
             obj = torch.load(path, map_location="cpu", weights_only=True)
@@ -225,7 +231,8 @@ def adapt_stem_weight(weight_OIKK: torch.Tensor, in_channels: int) -> torch.Tens
     return mean_O1KK.repeat(1, in_channels, 1, 1).to(weight_OIKK.dtype)
 
 
-def _load_adapted(model: nn.Module, state: Mapping[str, torch.Tensor], spec: _Spec, source: str) -> None:
+def _load_adapted(model: nn.Module, state: Mapping[str, torch.Tensor], spec: _Spec, source: str,
+                  prefix: str | None = None) -> None:
     target = model.state_dict()
     stem_key = f"{spec.stem}.weight"
     head_prefixes = tuple(f"{h}." for h in spec.heads)
@@ -252,9 +259,11 @@ def _load_adapted(model: nn.Module, state: Mapping[str, torch.Tensor], spec: _Sp
             if keys:
                 shown = ", ".join(keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
                 parts.append(f"{len(keys)} key(s) {label}: {shown}")
+        wrapped = (f", or the weights of the model that holds it as {prefix!r} (every key starting with it: the "
+                   "recipe's own best.safetensors)" if prefix else "")
         raise ValueError(
             f"{source} does not hold weights for this model ({'; '.join(parts)}): pass a file saved "
-            "from the same architecture (the model name, and kwargs such as width, must match)"
+            f"from the same architecture (the model name, and kwargs such as width, must match){wrapped}"
         )
     for key, want in target.items():
         merged.setdefault(key, want)

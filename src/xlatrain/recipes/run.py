@@ -48,12 +48,15 @@ def recipe_module(name: str) -> Any:
     return importlib.import_module(RECIPES[name])
 
 
-def build_recipe_model(config: RunConfig, *, num_outputs: int, in_channels: int, names: Sequence[str] | None = None) -> torch.nn.Module:
+def build_recipe_model(config: RunConfig, *, num_outputs: int, in_channels: int, names: Sequence[str] | None = None,
+                       pretrained_prefix: str | None = None) -> torch.nn.Module:
     """The ``model`` section as a model: every key takes effect or is an error naming it.
 
     ``width`` and ``blocks`` go to models that take them (``small_cnn``: width; ``resnet_unet``:
     width and blocks); set for another model they are an error, not silently dropped. ``names``
-    limits which models the recipe can use.
+    limits which models the recipe can use. ``pretrained_prefix``: where the recipe wraps the
+    model, the name it keeps it under, so that ``model.pretrained`` takes the recipe's own
+    ``best.safetensors`` (see :func:`xlatrain.models.build_model`).
     """
     from xlatrain.models import MODEL_NAMES, build_model, model_options
 
@@ -75,7 +78,8 @@ def build_recipe_model(config: RunConfig, *, num_outputs: int, in_channels: int,
         )
     if "blocks" in extra:
         extra["blocks"] = tuple(extra["blocks"])
-    return build_model(cfg.name, num_outputs=num_outputs, in_channels=in_channels, pretrained=cfg.pretrained, **extra)
+    return build_model(cfg.name, num_outputs=num_outputs, in_channels=in_channels, pretrained=cfg.pretrained,
+                       pretrained_prefix=pretrained_prefix, **extra)
 
 
 def optimizer_factory(cfg: OptimizerConfig) -> Callable[..., torch.optim.Optimizer]:
@@ -137,6 +141,27 @@ def _warmup_cosine(optimizer: torch.optim.Optimizer, run: Any, *, warmup_steps: 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def run_record(config: RunConfig) -> dict[str, Any]:
+    """The config as a checkpoint records it, to compare with a resuming run's.
+
+    ``data`` is the recipe's data config with its defaults filled in, not the section as written:
+    a key left at its default has a value too, so a resume that sets it otherwise (``--set
+    data.seed=7``, another train/validation split) is compared, and refused, like a key the YAML
+    has. Keys of the recipe's ``DataConfig.RESUME_FREE`` (how the data is made or cached, not which
+    data it is) are left out. ``defaults`` holds the recipe's defaults: a checkpoint of an older
+    xlatrain recorded the section as written, and a key it left out stood at its default then.
+    """
+    from xlatrain.config import from_dict
+
+    cls = recipe_module(config.recipe).DataConfig
+    free = set(getattr(cls, "RESUME_FREE", ()))
+    resolved = dataclasses.asdict(from_dict(cls, config.data, section="data"))
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)
+                if f.default is not dataclasses.MISSING and f.name not in free}
+    return {**dataclasses.asdict(config), "data": {k: v for k, v in resolved.items() if k not in free},
+            "defaults": {"data": defaults}}
+
+
 def build_trainer(config: RunConfig) -> tuple[Trainer, RecipeParts]:
     parts = recipe_module(config.recipe).build(config)
     trainer = Trainer(
@@ -149,7 +174,7 @@ def build_trainer(config: RunConfig) -> tuple[Trainer, RecipeParts]:
         backend=config.backend,
         label_names=parts.label_names,
         metrics_fn=parts.metrics_fn,
-        run_config=dataclasses.asdict(config),
+        run_config=run_record(config),
         callbacks=[_WriteConfig(config), _WarmupCheck(config.schedule)],
     )
     return trainer, parts

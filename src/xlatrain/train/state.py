@@ -330,13 +330,19 @@ def resume_changes(old: dict[str, Any], new: dict[str, Any], epochs_done: int,
     """Compare the checkpoint's config with the resuming run's: ``(continued, refused)`` lines.
 
     Each line is ``key old -> new``; ``refused`` ones say why the run cannot go on under them.
+    ``new["defaults"]`` (per section, the value of each key left at its default) stands in for a
+    key that ``old`` leaves out of a section it records: an older xlatrain recorded a recipe's
+    ``data`` section as written, without the keys left at their defaults.
     """
     # The new config as the checkpoint holds it: through JSON (a tuple reads back as a list).
-    before, after = _flatten(old), _flatten(json.loads(json.dumps(new, default=str)))
+    new = json.loads(json.dumps(new, default=str))
+    defaults = _flatten({k: v for k, v in (new.pop("defaults", None) or {}).items() if isinstance(old.get(k), dict)})
+    before = _flatten({k: v for k, v in old.items() if k != "defaults"})
+    after = _flatten(new)
     continued, refused = [], []
     for key in sorted(set(before) | set(after)):
-        was, now = before.get(key), after.get(key)
-        if was == now or key not in before or key not in after:
+        was, now = before.get(key, defaults.get(key)), after.get(key)
+        if was == now or (key not in before and key not in defaults) or key not in after:
             continue  # a key one side does not record (an older checkpoint, no run config) is not compared
         rule = RESUME_RULES.get(key, "error" if key.split(".")[0] in STRICT_SECTIONS else "continue")
         line = f"{key} {was!r} -> {now!r}"

@@ -55,15 +55,44 @@ MODEL_KEYS = ("width", "layers", "heads", "positions")
 
 
 def build_model(config: Any, context: int) -> ByteGPT:
+    """The ``model`` section's ByteGPT; ``model.pretrained`` (the path of an lm run's
+    ``best.safetensors``, or of ``xlatrain export``'s file) is loaded into it whole."""
     cfg = config.model
     if cfg.name != "byte_gpt":
         raise ValueError(f"model.name={cfg.name!r}: the lm recipe builds byte_gpt")
-    for key in ("blocks", "pretrained"):
-        if getattr(cfg, key) not in (None, False):
-            raise ValueError(f"model.{key} is set but byte_gpt has no such option: it takes "
-                             f"{', '.join('model.' + k for k in MODEL_KEYS)}; remove the key")
+    if cfg.blocks is not None:
+        raise ValueError(f"model.blocks is set but byte_gpt has no such option: it takes "
+                         f"{', '.join('model.' + k for k in MODEL_KEYS)}; remove the key")
     options = {k: getattr(cfg, k) for k in MODEL_KEYS if getattr(cfg, k) is not None}
-    return ByteGPT(context=context, **options)
+    model = ByteGPT(context=context, **options)
+    if cfg.pretrained not in (None, False):
+        load_pretrained(model, cfg.pretrained)
+    return model
+
+
+def load_pretrained(model: ByteGPT, path: Any) -> None:
+    """Every weight of ``model`` from the file at ``path``, or an error naming the keys that differ:
+    a language model has no head to start afresh, so nothing is left out or adapted."""
+    from xlatrain.models import load_state_dict_file
+
+    if path is True:
+        raise ValueError("model.pretrained=true would download weights, and xlatrain never downloads: give the path "
+                         "of a weights file, e.g. RUN_DIR/best.safetensors of an earlier lm run")
+    state = load_state_dict_file(path)
+    target = model.state_dict()
+    missing = [k for k in target if k not in state]
+    unexpected = [k for k in state if k not in target]
+    shapes = [f"{k} {tuple(state[k].shape)} in the file vs {tuple(v.shape)} in the model"
+              for k, v in target.items() if k in state and state[k].shape != v.shape]
+    if missing or unexpected or shapes:
+        parts = [f"{len(keys)} key(s) {label}: {', '.join(keys[:4])}{' ...' if len(keys) > 4 else ''}"
+                 for label, keys in (("missing", missing), ("unexpected", unexpected), ("of another shape", shapes)) if keys]
+        raise ValueError(
+            f"model.pretrained={str(path)!r} does not hold this byte_gpt's weights ({'; '.join(parts)}): give the "
+            "best.safetensors (or xlatrain export file) of an lm run with the same model.width, model.layers, "
+            "model.heads and model.positions (and data.context, under learned positions)"
+        )
+    model.load_state_dict(state, strict=True)
 
 
 def build(config: Any) -> Any:

@@ -35,7 +35,12 @@ class DataConfig:
     """``root`` holds ``train.csv`` + ``train/`` (RSNA layout); ``shards`` the packed copy.
 
     Either is created when missing and ``synthetic`` is on (the default): ``num_studies``
-    exams of ``slices_per_study`` slices at ``stored_size`` px.
+    exams of ``slices_per_study`` slices at ``stored_size`` px, from ``seed``. A pack that exists
+    is read as it is: those keys must agree with what it was generated from (the recipe records
+    it in the pack), or, for a pack that records nothing (``xlatrain pack``), stay at their
+    defaults. ``source: folder`` decodes the JPEGs under ``root`` per item, and the model flips
+    and rotates the training batches (``hflip``, ``rotate_degrees``) on the device; ``shards``
+    and ``cache_dir`` are for ``source: shards`` only.
     """
 
     root: str = "runs/data/pe_synthetic"
@@ -54,6 +59,9 @@ class DataConfig:
     hflip: float = 0.5
     rotate_degrees: float = 10.0
 
+    # How the data is made and cached, not which data it is: a resumed run may change them (see
+    # xlatrain.recipes.run.run_record).
+    RESUME_FREE = ("pack_workers", "cache_dir")
     RENAMED = {"workers": "pack_workers (processes that generate and pack the data; the processes that decode "
                           "batches while training are trainer.num_workers)"}
 
@@ -76,6 +84,14 @@ class DataConfig:
             raise ValueError(f"data.source={self.source!r} is not valid: choose one of {', '.join(SOURCES)}")
         if not 0 <= self.fold < self.num_folds:
             raise ValueError(f"data.fold={self.fold} is not valid: use 0..{self.num_folds - 1}")
+        unread = [k for k in ("shards", "cache_dir") if getattr(self, k) is not None]
+        if self.source == "folder" and unread:
+            raise ValueError(
+                f"{' and '.join('data.' + k for k in unread)} would be ignored: data.source=folder reads the JPEGs "
+                "under data.root, and data.shards (the pack) and data.cache_dir (a local copy of a pack on object "
+                f"storage) are read by data.source=shards only. Remove {'them' if len(unread) > 1 else 'it'}, or use "
+                "data.source=shards"
+            )
 
     @property
     def shard_dir(self) -> Path | str:
@@ -105,6 +121,7 @@ def prepare_data(data: DataConfig, timeout_s: float = 1800.0) -> None:
         return _packed(data.shard_dir) if data.source == "shards" else (root / "train.csv").is_file()
 
     if data.source == "shards" and data.shards and _packed(data.shard_dir):
+        _check_named_pack(data)
         return  # a pack the config names (local or on object storage) is read as it is: no folder needed
     if int(os.environ.get("LOCAL_RANK", "0")) != 0:
         deadline = time.monotonic() + timeout_s
@@ -117,7 +134,8 @@ def prepare_data(data: DataConfig, timeout_s: float = 1800.0) -> None:
     _prepare(data, root)
 
 
-# What a generated folder was generated from (written beside its train.csv).
+# What a generated folder was generated from (written beside its train.csv, and into the pack
+# made from it).
 GENERATED_FROM = "xlatrain-synthetic.json"
 GENERATION_KEYS = ("num_studies", "slices_per_study", "stored_size", "seed")
 
@@ -133,15 +151,53 @@ def _check_generated(data: DataConfig, root: Path) -> None:
     record = root / GENERATED_FROM
     if not data.synthetic or not record.is_file():
         return  # real data (or a folder from before the record): generation keys do not apply
-    made = json.loads(record.read_text())
+    _compare_generation(data, json.loads(record.read_text()), str(root),
+                        f"delete {root} to generate it again, point data.root at another folder, or use the old values")
+
+
+def _compare_generation(data: DataConfig, made: dict[str, Any], what: str, fix: str) -> None:
     changed = [k for k, v in _generation(data).items() if k in made and made[k] != v]
     if changed:
         raise ValueError(
-            f"{root} was generated with "
+            f"{what} was generated with "
             + ", ".join(f"data.{k}={made[k]}" for k in changed)
             + "; this config asks for "
             + ", ".join(f"data.{k}={getattr(data, k)}" for k in changed)
-            + f": delete {root} to generate it again, point data.root at another folder, or use the old values"
+            + f": {fix}"
+        )
+
+
+def _check_named_pack(data: DataConfig) -> None:
+    """A pack that ``data.shards`` names and that exists is read as it is, so the keys that
+    generate a synthetic set must agree with it: with what it records it was generated from, or,
+    where it records nothing (a pack of real data, of ``xlatrain pack``, of an older xlatrain),
+    be left at their defaults. ``data.seed`` also draws the folds, so it is used either way."""
+    import json
+
+    if not data.synthetic:
+        return  # real data: generation keys do not apply
+    shard_dir = data.shard_dir
+    if isinstance(shard_dir, str):
+        url = storage.join(shard_dir, GENERATED_FROM)
+        made = json.loads(storage.read_bytes(url)) if storage.exists(url) else None
+    else:
+        records = [shard_dir / GENERATED_FROM]
+        if shard_dir.resolve() == (Path(data.root) / "shards").resolve():
+            records.append(Path(data.root) / GENERATED_FROM)  # an older xlatrain recorded it beside train.csv only
+        found = next((p for p in records if p.is_file()), None)
+        made = json.loads(found.read_text()) if found is not None else None
+    if made is not None:
+        _compare_generation(data, made, f"the pack data.shards names ({shard_dir})",
+                            "point data.shards at another pack, or use the old values")
+        return
+    default = _generation(DataConfig())
+    asked = [k for k, v in _generation(data).items() if k != "seed" and v != default[k]]
+    if asked:
+        raise ValueError(
+            f"{', '.join(f'data.{k}={getattr(data, k)}' for k in asked)} would be ignored: data.shards names a pack "
+            f"that exists ({shard_dir}), which is read as it is, and it does not record what it was generated from. "
+            f"Remove {'them' if len(asked) > 1 else 'it'} to read that pack, or leave data.shards out to generate "
+            "data.root with them and pack it (into data.root/shards)"
         )
 
 
@@ -169,10 +225,20 @@ def _prepare(data: DataConfig, root: Path) -> None:
             root / "train.csv", root / "train", data.shard_dir, path_columns=list(ID_COLUMNS), suffix=".jpg",
             labels=list(TARGET_NAMES), group=STUDY_COLUMN, workers=data.pack_workers, progress=False,
         )
+        if (root / GENERATED_FROM).is_file():  # the pack says what it was generated from, wherever it is read
+            record = (root / GENERATED_FROM).read_text()
+            if isinstance(data.shard_dir, str):
+                storage.write_bytes(storage.join(data.shard_dir, GENERATED_FROM), record.encode())
+            else:
+                atomic_write_text(data.shard_dir / GENERATED_FROM, record)
 
 
 class FolderDataset(Dataset[Any]):
-    """The unpacked folder, one JPEG read and decoded per item (uint8 ``1 x S x S``, 10 float labels)."""
+    """The unpacked folder, one JPEG read and decoded per item (uint8 ``1 x S x S``, 10 float labels).
+
+    It does not augment: under ``data.source=folder`` the recipe's model flips and rotates the
+    training batches on the device (:class:`SliceClassifier`).
+    """
 
     def __init__(self, root: str | Path, rows: list[dict[str, str]], image_size: int) -> None:
         self.root = Path(root)
@@ -247,21 +313,33 @@ class SliceClassifier(nn.Module):
     shard reader rotates). On a GPU this is where the rotation costs nothing: in the reader it is
     about two thirds of a decode worker's time per slice (PIL's bilinear rotate). Measured on an
     H200 host with 15 workers, the input wait went from 18-23% to 10-12% of a 42-step epoch, and
-    from 22-23% to 18-20% of a 168-step one (benchmarks/cuda/NVIDIA-H200.json).
+    from 22-23% to 18-20% of a 168-step one (benchmarks/cuda/NVIDIA-H200.json). With ``hflip``,
+    each training slice is then mirrored left to right with that probability (the folder source,
+    whose dataset does not augment, has both done here on every device).
     """
 
-    def __init__(self, backbone: nn.Module, rotate_degrees: float = 0.0) -> None:
+    def __init__(self, backbone: nn.Module, rotate_degrees: float = 0.0, hflip: float = 0.0) -> None:
         super().__init__()
         from xlatrain.data.shards import NormalizeInput
 
         self.normalize = NormalizeInput(mean=[0.25], std=[0.25])
         self.backbone = backbone
         self.rotate_degrees = rotate_degrees
+        self.hflip = hflip
 
     def forward(self, images_B1HW: torch.Tensor) -> torch.Tensor:
         if self.training and self.rotate_degrees:
             images_B1HW = rotate_batch(images_B1HW, self.rotate_degrees)
+        if self.training and self.hflip:
+            images_B1HW = flip_batch(images_B1HW, self.hflip)
         return self.backbone(self.normalize(images_B1HW))
+
+
+def flip_batch(images: torch.Tensor, probability: float) -> torch.Tensor:
+    """``images`` (B, C, H, W), each mirrored left to right with ``probability``, drawn from the
+    device's generator (which the Trainer seeds per step, as for :func:`rotate_batch`)."""
+    flip_B = torch.rand(images.shape[0], device=images.device) < probability
+    return torch.where(flip_B[:, None, None, None], images.flip(-1), images)
 
 
 def rotate_batch(images: torch.Tensor, degrees: float) -> torch.Tensor:
@@ -297,9 +375,15 @@ def build(config: Any) -> Any:
     data = from_dict(DataConfig, config.data, section="data")
     split = datasets(data, num_workers=config.trainer.num_workers, pin_memory=on_cuda, reader_rotates=not on_cuda)
     torch.manual_seed(config.trainer.seed)
-    backbone = build_recipe_model(config, num_outputs=len(TARGET_NAMES), in_channels=1)
+    # model.pretrained takes the backbone's own weights, or this recipe's best.safetensors (or
+    # `xlatrain export`), which holds the SliceClassifier: the backbone under "backbone.".
+    backbone = build_recipe_model(config, num_outputs=len(TARGET_NAMES), in_channels=1, pretrained_prefix="backbone.")
+    # The shard reader flips (and, off CUDA, rotates) as it decodes; the folder's dataset does
+    # neither, so under data.source=folder the model does both, on the device.
+    folder = data.source == "folder"
     return RecipeParts(
-        model=SliceClassifier(backbone, rotate_degrees=data.rotate_degrees if on_cuda and data.source == "shards" else 0.0),
+        model=SliceClassifier(backbone, rotate_degrees=data.rotate_degrees if on_cuda or folder else 0.0,
+                              hflip=data.hflip if folder else 0.0),
         loss_fn=nn.BCEWithLogitsLoss(),
         train_data=split.train,
         val_data=split.val,
