@@ -161,3 +161,17 @@ def test_the_doctor_names_debug_mode_and_a_look_alike_package():
     (other,) = torch_tpu_findings({}, installed=True, origin="distribution torch_tpu 1.0, https://example.org")
     assert other.severity == "error" and "not Google's TorchTPU" in other.title
     assert torch_tpu_findings({}, installed=False) == []
+
+
+def test_accelerator_tpu_without_a_chip_says_so_rather_than_to_install_what_is_installed():
+    from xlatrain.backend.runtimes import TpuRuntimes, unavailable
+
+    def host(chips, torch_tpu):
+        return TpuRuntimes(tpu_chips=chips, torch_tpu_version=torch_tpu, torch_tpu_other=None, torch_tpu_devices=0,
+                           torch_tpu_autoload_off=False, torch_xla_version=None, pjrt_device=None)
+
+    said = str(unavailable(host(0, "0.2.0")))  # this machine: TorchTPU installed, no TPU
+    assert "No TPU chip was found on this machine's PCI bus: run on a TPU VM" in said and "Install TorchTPU" not in said
+    bare = str(unavailable(host(0, None)))
+    assert "No TPU chip" in bare and "Install TorchTPU" in bare
+    assert "No TPU chip" not in str(unavailable(host(4, None)))

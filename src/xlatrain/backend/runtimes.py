@@ -208,9 +208,17 @@ def unavailable(found: TpuRuntimes, requested: str = "auto") -> BackendUnavailab
             f"it by that distribution's name) or give it an environment of its own, then install TorchTPU: "
             f"{INSTALL_TORCH_TPU}. Found: {found.describe()}"
         )
+    # Installing a runtime is the fix where none is installed; with one installed and no chip found,
+    # it is the machine.
+    installed = found.torch_tpu_version is not None or found.torch_xla_version is not None
+    install = "" if installed else f"Install TorchTPU: {INSTALL_TORCH_TPU}; or torch_xla: {INSTALL_TORCH_XLA}. "
+    if not found.tpu_chips:
+        install = "No TPU chip was found on this machine's PCI bus: run on a TPU VM. " + install
+    elif installed:
+        install = f"Install TorchTPU: {INSTALL_TORCH_TPU}; or torch_xla: {INSTALL_TORCH_XLA}. "
     return BackendUnavailableError(
         f"accelerator='tpu' asked for {wanted}, but none can run here. Found: {found.describe()}. "
-        f"Install TorchTPU: {INSTALL_TORCH_TPU}; or torch_xla: {INSTALL_TORCH_XLA}. Without a TPU, "
+        f"{install}Without a TPU, "
         "accelerator='xla' with devices=N rehearses the run on N virtual XLA:CPU devices (torch_xla), "
         "and accelerator='auto' takes CUDA or the CPU."
     )
