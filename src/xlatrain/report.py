@@ -130,6 +130,7 @@ def read_run_config(run_dir: str | Path) -> tuple[dict[str, Any], str]:
             recorded = json.loads((checkpoints[-1] / META_FILE).read_text()).get("config") or {}
         except (OSError, ValueError):
             recorded = {}
+        recorded.pop("defaults", None)  # the recipe's defaults, kept for comparing a resume with an older checkpoint
         if recorded:
             config = recorded if "trainer" in recorded else {"trainer": recorded}
             sources.append(f"checkpoints/{checkpoints[-1].name}/{META_FILE}")
