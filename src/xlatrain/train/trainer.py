@@ -311,7 +311,9 @@ class Trainer:
         """Train for ``config.epochs`` epochs, validating after each; returns the history rows.
 
         Writes ``history.csv`` / ``history.json`` after every epoch, ``best.safetensors`` whenever
-        the monitored metric improves, and checkpoints per ``checkpoint`` config.
+        the monitored metric improves, and checkpoints per ``checkpoint`` config. A row's ``lr`` is
+        the rate the epoch's first step used (a per-step schedule moves on within the epoch), and
+        its ``epoch_time_s`` the epoch's time in this fit (a resumed epoch's from the resume).
 
         Only one run writes a run directory at a time (``RUN_DIR/.xlatrain.lock``): a second one is
         refused at once, naming the first.
