@@ -306,6 +306,11 @@ def test_a_model_written_for_its_batch_size_passes_the_checks_before_training(tm
                       backend="cpu")
     row = trainer.fit(_data(), _data(13, seed=1))[-1]
     assert row["train_loss"] > 0 and 0 <= row["val_accuracy"] <= 1
+    # A validation set smaller than one batch is padded to a full one, in the dry run as in evaluation.
+    trainer = Trainer(_FixedBatch(), nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1),
+                      config=TrainConfig(epochs=1, batch_size=BATCH, run_dir=str(tmp_path / "small"), tensorboard=False),
+                      backend="cpu")
+    assert 0 <= trainer.fit(_data(), _data(5, seed=2))[-1]["val_accuracy"] <= 1
 
 
 class _FixedBatchOwnLoss(_FixedBatch):

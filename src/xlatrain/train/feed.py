@@ -410,16 +410,17 @@ class _Flagged:
         return batch, torch.tensor([real for _, real in pairs])
 
 
-def first_batch(data: Any, rows: int = 2, collate_fn: Callable[[list[Any]], Any] = collate) -> Any:
+def first_batch(data: Any, rows: int = 2, collate_fn: Callable[[list[Any]], Any] = collate, *, pad: bool = False) -> Any:
     """A small batch of ``data`` for the dry run, collated as the loaders collate (training
-    batches with the user's ``collate_fn``)."""
+    batches with the user's ``collate_fn``); ``pad``: a set of fewer than ``rows`` items is
+    repeated up to ``rows``, as evaluation pads its last batch with copies of real items."""
     if isinstance(data, BatchSource):
         batch, _valid = next(iter(data.eval_batches(loader_batch=rows, num_processes=1, process_index=0)))
         return batch
     if len(data) == 0:
         raise ValueError("the evaluation set is empty: give at least one sample")
     items = Items(data)
-    given = [items[i] for i in range(min(rows, len(data)))]
+    given = [items[i % len(data)] for i in range(rows if pad else min(rows, len(data)))]
     batch = collate_fn(given)
     if collate_fn is not collate and isinstance(batch, (list, tuple)) and len(batch) == len(given) > 1 \
             and all(b is g and isinstance(g, (tuple, list)) for b, g in zip(batch, given)):

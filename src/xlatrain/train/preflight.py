@@ -247,7 +247,8 @@ def _validation_batch(trainer: Trainer, val_data: Any) -> list[str] | None:
         with torch.no_grad():
             full = trainer.config.eval_batch_size or trainer.config.batch_size
             for rows in (2, full):
-                host = first_batch(val_data, rows=rows, collate_fn=trainer._eval_collate)
+                # The full batch as evaluation runs it: a set smaller than one is padded with copies.
+                host = first_batch(val_data, rows=rows, collate_fn=trainer._eval_collate, pad=rows == full)
                 batch = trainer._on_device(to_device(trainer, host), training=False)
                 io.check_keys(batch)
                 targets = io.targets_of(batch)
@@ -260,7 +261,7 @@ def _validation_batch(trainer: Trainer, val_data: Any) -> list[str] | None:
                 except Exception:
                     # A model written for its batch size fails on 2 rows; evaluation pads every
                     # batch to the full size, so that decides (as in the training dry run).
-                    if rows >= min(full, len(val_data)):
+                    if rows >= full:
                         raise
             if rows != 2 and io.own_loss:
                 _check_trimmed_batches(trainer, val_data)
