@@ -316,9 +316,9 @@ class EvalAccumulator:
                 weight = (weights_B * mask_B).sum()
                 self.weight = weight if self.weight is None else self.weight + weight
         if self.task == "classification":
-            # Soft targets (label smoothing, mixup) count their likeliest class; a metrics_fn and the
-            # rows kept still get the targets as they are.
-            classes_B = targets.argmax(dim=1) if targets.is_floating_point() else targets
+            # Soft targets (label smoothing, mixup) count as their likeliest class, for accuracy and
+            # for the metrics after it (a torchmetrics classifier takes class indices).
+            targets = classes_B = targets.argmax(dim=1) if targets.is_floating_point() else targets
             hit_B = (predictions.argmax(dim=1) == classes_B) & valid_B
             self.correct = self.correct + hit_B.sum().to(self.correct.dtype)
             if self.top_k:
