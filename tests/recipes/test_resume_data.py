@@ -65,3 +65,18 @@ def test_a_checkpoint_of_an_older_xlatrain_resumes_unless_a_default_left_out_was
     assert _fit(run_dir, "trainer.epochs=2") == 0
     out = capsys.readouterr().out
     assert "resuming with changed settings: trainer.epochs 1 -> 2\n" in out and "epoch 2/2" in out
+
+
+def test_a_folder_run_that_set_data_shards_resumes_without_it():
+    # An older xlatrain took data.shards under data.source=folder and ignored it; it is refused now,
+    # and removing it as told changed the recorded config, which refused the resume.
+    from xlatrain.train.state import resume_changes
+
+    config = load_run_config(str(CONFIGS / "pe_detection.yaml"))
+    folder = dataclasses.replace(config, data={**config.data, "source": "folder"})
+    new = run_record(folder)
+    assert "shards" not in new["data"]
+    old = json.loads(json.dumps({k: v for k, v in new.items() if k != "defaults"}))
+    old["data"] = {**config.data, "source": "folder", "shards": "/elsewhere/shards"}  # as the older record held it
+    _continued, refused = resume_changes(old, new, epochs_done=1)
+    assert not [line for line in refused if "shards" in line], refused

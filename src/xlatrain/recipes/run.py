@@ -154,8 +154,9 @@ def run_record(config: RunConfig) -> dict[str, Any]:
     from xlatrain.config import from_dict
 
     cls = recipe_module(config.recipe).DataConfig
-    free = set(getattr(cls, "RESUME_FREE", ()))
-    resolved = dataclasses.asdict(from_dict(cls, config.data, section="data"))
+    data = from_dict(cls, config.data, section="data")
+    free = set(data.resume_free() if hasattr(data, "resume_free") else getattr(cls, "RESUME_FREE", ()))
+    resolved = dataclasses.asdict(data)
     defaults = {f.name: f.default for f in dataclasses.fields(cls)
                 if f.default is not dataclasses.MISSING and f.name not in free}
     return {**dataclasses.asdict(config), "data": {k: v for k, v in resolved.items() if k not in free},

@@ -62,6 +62,11 @@ class DataConfig:
     # How the data is made and cached, not which data it is: a resumed run may change them (see
     # xlatrain.recipes.run.run_record).
     RESUME_FREE = ("pack_workers", "cache_dir")
+
+    def resume_free(self) -> tuple[str, ...]:
+        """RESUME_FREE, and the keys this source does not read (data.shards under the folder
+        source, which an older xlatrain took and ignored: a run that set it resumes without it)."""
+        return self.RESUME_FREE + (("shards",) if self.source == "folder" else ())
     RENAMED = {"workers": "pack_workers (processes that generate and pack the data; the processes that decode "
                           "batches while training are trainer.num_workers)"}
 
@@ -192,12 +197,12 @@ def _check_named_pack(data: DataConfig) -> None:
         return
     default = _generation(DataConfig())
     asked = [k for k, v in _generation(data).items() if k != "seed" and v != default[k]]
-    if asked:
-        raise ValueError(
-            f"{', '.join(f'data.{k}={getattr(data, k)}' for k in asked)} would be ignored: data.shards names a pack "
-            f"that exists ({shard_dir}), which is read as it is, and it does not record what it was generated from. "
-            f"Remove {'them' if len(asked) > 1 else 'it'} to read that pack, or leave data.shards out to generate "
-            "data.root with them and pack it (into data.root/shards)"
+    if asked:  # it cannot be told whether they agree: said, not refused (a run of an older xlatrain resumes)
+        log.info(
+            f"note: {', '.join(f'data.{k}={getattr(data, k)}' for k in asked)} are not checked against the pack "
+            f"data.shards names ({shard_dir}): it does not record what it was generated from (a pack of xlatrain "
+            "pack, or of an older xlatrain), and it is read as it is. They take effect only where data.root is "
+            "generated (data.shards left out)"
         )
 
 
