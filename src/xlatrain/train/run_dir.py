@@ -140,7 +140,8 @@ class RunDirectory:
         """``RUN_DIR/status.json`` (main process, atomic): ``running`` while a fit trains (still there
         after a kill -9 or a crash that could not write; with the epoch and step the fit started at,
         then, after each checkpoint, where a rerun continues from it), ``preempted`` once a stop
-        signal's checkpoint is complete (with its name: a rerun resumes from it), ``finished``, or ``failed``
+        signal's checkpoint is complete (with its name: a rerun resumes from it), ``stopped`` for a
+        stop signal with checkpoints off (nothing to resume), ``finished``, or ``failed``
         (with the error). A requeue script reads ``state``; the launcher's exit status alone does not
         tell (torchrun exits 1 after forwarding a SIGTERM its workers handled).
 
