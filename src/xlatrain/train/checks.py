@@ -15,6 +15,7 @@ import torch
 from xlatrain.config import CheckpointConfig, TrainConfig
 from xlatrain.data.source import BatchSource
 from xlatrain.train.batch import tree_map
+from xlatrain.train.metrics import float_target_rows
 
 
 def check_arguments(
@@ -277,9 +278,7 @@ def check_task(task: str, outputs: Any, targets: Any, top_k: Sequence[int] = (),
             )
         if task_given and targets.is_floating_point() and outputs.shape[1] > 1:
             # One read of the dry run's targets: 0/1 rows that are not one-hot are several labels each.
-            t = targets.detach().float()
-            binary, distribution = torch.stack([((t == 0) | (t == 1)).all(),
-                                                ((t.sum(dim=1) - 1).abs() <= 1e-3).all()]).tolist()
+            binary, distribution = float_target_rows(targets)
             if binary and not distribution:
                 raise ValueError(
                     f"task='classification' was set, but the targets {shape(targets)} are multi-hot (rows of 0s and "

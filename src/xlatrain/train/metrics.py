@@ -63,10 +63,17 @@ def task_from_shapes(predictions: Any, targets: Any, model: Any = None) -> str:
             and targets.shape[0] == predictions.shape[0]:
         return "classification"
     if targets.is_floating_point() and targets.shape == predictions.shape:
-        t = targets.detach().float()
-        binary, distribution = torch.stack([((t == 0) | (t == 1)).all(), ((t.sum(dim=1) - 1).abs() <= 1e-3).all()]).tolist()
+        binary, distribution = float_target_rows(targets)
         return "classification" if distribution else "multilabel" if binary else "none"
     return "none"
+
+
+def float_target_rows(targets: torch.Tensor) -> tuple[bool, bool]:
+    """Whether ``[N, C]`` float targets are all 0s and 1s, and whether each row sums to 1 (class
+    probabilities: one-hot, smoothed, mixed); one read of them on the host."""
+    t = targets.detach().float()
+    binary, distribution = torch.stack([((t == 0) | (t == 1)).all(), ((t.sum(dim=1) - 1).abs() <= 1e-3).all()]).tolist()
+    return binary, distribution
 
 
 def is_streaming(metrics_fn: Any) -> bool:
