@@ -144,7 +144,10 @@ WARM_WORKER = """
 import os, signal, sys, time
 rank = int(os.environ["RANK"])
 signal.signal(signal.SIGTERM, lambda *_: (print(f"rank {rank} got SIGTERM", flush=True), sys.exit(0)))
-print(f"rank {rank} pid {os.getpid()} torch {'torch' in sys.modules} {os.environ.get('PYTHON_EXEC')}", flush=True)
+# One write: print() writes its text and its newline apart, and on an unbuffered stream the other
+# worker's line can land between them, leaving this one's stand-in path run into the other's "rank".
+sys.stdout.write(f"rank {rank} pid {os.getpid()} torch {'torch' in sys.modules} {os.environ.get('PYTHON_EXEC')}\\n")
+sys.stdout.flush()
 if sys.argv[1] == "exit" and rank == 1:
     sys.exit(3)
 time.sleep(120)
@@ -173,24 +176,25 @@ def test_torchruns_workers_run_warm_exit_as_they_did_get_its_signals_and_die_wit
     def start(mode):
         proc = popen([torchrun, "--nproc-per-node", "2", "--standalone", str(script), mode], env,
                      stderr=subprocess.STDOUT)
-        ranks = {}
+        ranks, seen = {}, ""
         while len(ranks) < 2:
             line = proc.stdout.readline()
-            assert line, f"torchrun ended before both workers started:\n{proc.communicate(timeout=30)[0]}"
-            # By pattern: the two workers write to one pipe, and a line of one can run into another's.
-            for rank, pid, preloaded, stand_in in re.findall(r"rank (\d+) pid (\d+) torch (True|False) (\S+)", line):
+            assert line, f"torchrun ended before both workers started:\n{seen}{proc.communicate(timeout=30)[0]}"
+            seen += line  # all of it: what torchrun printed is the failure's message
+            # By pattern, over all lines read: the two workers write to one pipe.
+            for rank, pid, preloaded, stand_in in re.findall(r"rank (\d+) pid (\d+) torch (True|False) (\S+)\n", seen):
                 ranks[int(rank)] = (int(pid), preloaded == "True", stand_in)
-        return proc, ranks
+        return proc, ranks, seen
 
     # Rank 1 exits 3: torchrun reports that status and stops rank 0 with SIGTERM (signalling its
     # stand-in's process group), which reaches the worker. Both were forked with torch imported.
-    proc, ranks = start("exit")
-    out, _ = proc.communicate(timeout=120)
+    proc, ranks, seen = start("exit")
+    out = seen + proc.communicate(timeout=120)[0]
     assert proc.returncode == 1 and "exitcode  : 3" in out and "rank      : 1" in out, out
     assert "rank 0 got SIGTERM" in out, out
     assert all(preloaded for _, preloaded, _ in ranks.values()), ranks
     # kill -9 of the stand-ins (torchrun's children): the workers end too.
-    proc, ranks = start("wait")
+    proc, ranks, _ = start("wait")
     for child in psutil.Process(proc.pid).children():
         child.kill()
     deadline = time.monotonic() + 10
