@@ -69,6 +69,7 @@ class IntervalStats:
     nonfinite: int  # steps of this epoch so far with a NaN/Inf loss or gradient norm (skip_step: steps skipped)
     # 1, or the processes whose non-finite losses ``nonfinite`` sums (each process's at each step)
     nonfinite_over: int = 1
+    tokens_per_row: float | None = None  # mean input_ids positions per row over the interval, where counted
 
 
 class IntervalMeter:
@@ -98,11 +99,13 @@ class IntervalMeter:
         self._last_time = time.perf_counter()
         self.warm_until = start_step if warm_until is None else warm_until  # moves on where the warm-up does
         self._skipped_out, self._processes = skipped_out, processes
+        self._last_tokens = 0.0
 
-    def measure(self, step: int, *, loss_sum: float, nonfinite: float) -> IntervalStats:
+    def measure(self, step: int, *, loss_sum: float, nonfinite: float, tokens: float | None = None) -> IntervalStats:
         """The interval ending at ``step``: ``loss_sum`` over the epoch's steps 1..``step``, of which
-        ``nonfinite`` were non-finite (both means over processes). An interval that holds a warm-up
-        step (compilation, first allocations) has no rate."""
+        ``nonfinite`` were non-finite (both means over processes); ``tokens``, where counted, the
+        input_ids positions per row summed over this fit's steps of the epoch up to ``step``. An
+        interval that holds a warm-up step (compilation, first allocations) has no rate."""
         now = time.perf_counter()
         done = step - self._last_step
 
@@ -115,8 +118,11 @@ class IntervalMeter:
         epoch_loss = mean(loss_sum, step - self._skipped_before, nonfinite)
         interval_loss = mean(loss_sum - self._last_sum, done, nonfinite - self._last_bad) \
             if self._last_sum is not None and done > 0 else epoch_loss
+        row_tokens = (tokens - self._last_tokens) / done if tokens is not None and done > 0 else None
         self._last_step, self._last_sum, self._last_time, self._last_bad = step, loss_sum, now, nonfinite
-        return IntervalStats(step, epoch_loss, interval_loss, rate, round(nonfinite * self._processes), self._processes)
+        self._last_tokens = tokens or 0.0
+        return IntervalStats(step, epoch_loss, interval_loss, rate, round(nonfinite * self._processes), self._processes,
+                             row_tokens)
 
 
 class EpochProgress:
@@ -130,7 +136,6 @@ class EpochProgress:
         interactive: draw a bar (see :func:`interactive_terminal`) instead of logging lines.
         log: where plain lines go, e.g. the Trainer's rank-0 ``logger.info``.
         stream: where the bar draws (default: ``sys.stderr``).
-        rate_note: what else a rate of samples/s means (tokens/s, MFU), shown after it.
 
     Example:
         >>> meter = IntervalMeter(0, samples_per_step=256)
@@ -153,10 +158,8 @@ class EpochProgress:
         interactive: bool,
         log: Callable[[str], None],
         stream: IO[str] | None = None,
-        rate_note: Callable[[float], str] | None = None,
     ) -> None:
         self.epoch = epoch
-        self._rate_note = rate_note
         self.num_steps = num_steps
         self._log = log
         self._stack = contextlib.ExitStack()
@@ -195,16 +198,16 @@ class EpochProgress:
                 self._bar.refresh()  # update() draws at most every 0.1 s and may skip it
 
     def show(self, step: int, *, epoch_loss: float, samples_per_s: float | None, nonfinite: int,
-             nonfinite_over: int = 1) -> None:
+             nonfinite_over: int = 1, rate_note: str = "") -> None:
         """Show one measured interval: a line, or the bar's figures (no rate for a warm-up interval).
-        ``nonfinite_over`` > 1: ``nonfinite`` counts the non-finite losses of that many processes."""
+        ``nonfinite_over`` > 1: ``nonfinite`` counts the non-finite losses of that many processes.
+        ``rate_note``: what else the rate means (tokens/s, MFU), shown after it."""
         note = "" if nonfinite <= 0 else f"  ({nonfinite} non-finite steps)" if nonfinite_over == 1 else \
             f"  ({nonfinite} non-finite losses over {nonfinite_over} processes)"
         if samples_per_s is None:
             rate_text = "warm-up (no rate: the first steps, compilations included, are timed apart)"
         else:
-            extra = self._rate_note(samples_per_s) if self._rate_note is not None else ""
-            rate_text = f"{format_rate(samples_per_s)} samples/s" + (f", {extra}" if extra else "")
+            rate_text = f"{format_rate(samples_per_s)} samples/s" + (f", {rate_note}" if rate_note else "")
         if self._interactive:
             # A read that lands after close is not shown: its bar is gone, and the epoch line follows.
             if self._bar is not None:
@@ -249,6 +252,11 @@ class WarmupClock:
 
     def mark(self, *_: Any) -> None:
         self.marked = time.perf_counter()
+
+    def window_start(self, steps_done: int, first_step: int) -> int:
+        """The last step before the window :meth:`rate` measures: the warm-up's last, or
+        ``first_step`` where the epoch has no steady steps."""
+        return self.mark_step if self.marked is not None and steps_done > self.mark_step else first_step
 
     def rate(self, steps_done: int, samples_per_step: int, first_step: int) -> tuple[float, float | None]:
         """(samples/s over the steady window, or over the whole epoch where it has no steady

@@ -587,3 +587,52 @@ def test_a_torchmetrics_metric_is_fed_each_batch_real_rows_and_computed_once(tmp
     with torch.no_grad():
         expected = torchmetrics.functional.classification.multiclass_f1_score(model(x[40:]), y[40:], 3, average="macro")
     assert history[0]["val_multiclass_f1_score"] == pytest.approx(float(expected), rel=1e-6)
+
+
+def _padded(items):
+    """A Hugging Face style collate: each batch padded to its own longest sequence."""
+    longest = max(len(item["input_ids"]) for item in items)
+
+    def pad(t, value):
+        return torch.cat([t, torch.full((longest - len(t),), value, dtype=t.dtype)])
+    return {"input_ids": torch.stack([pad(i["input_ids"], 0) for i in items]),
+            "attention_mask": torch.stack([pad(torch.ones_like(i["input_ids"]), 0) for i in items]),
+            "labels": torch.stack([pad(i["input_ids"], -100) for i in items])}
+
+
+def test_a_causal_lm_gets_tokens_per_second_from_its_input_ids_and_mfu_at_each_batchs_length(tmp_path, caplog):
+    """A Hugging Face causal LM says no tokens per sample: tokens/s counts each training batch's
+    input_ids positions (padding included) as the loop takes it, and the FLOPs counted on the dry
+    run's batch scale to each batch's length, so batches padded to their own longest sequence are
+    not all measured at the first one's length."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="xlatrain")
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32,
+                                     bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    g = torch.Generator().manual_seed(0)
+    items = [{"input_ids": torch.randint(1, 64, (int(n),), generator=g)}
+             for n in torch.randint(4, 29, (96,), generator=g)]
+    lengths = []  # each training forward's padded length
+    model.register_forward_pre_hook(
+        lambda m, args, kwargs: lengths.append(kwargs["input_ids"].shape[1]) if m.training else None, with_kwargs=True)
+    trainer = _trainer(model, None, tmp_path / "run", collate_fn=_padded, config={"num_workers": 0, "log_every": 3})
+    history = trainer.fit(items)
+    assert "tokens/s: each batch's input_ids positions (padding included)" in caplog.text
+    assert "input_ids positions (scaled to each batch's)" in caplog.text
+    # Epoch 2 has no warm-up: its window is all 12 of its steps, the last 12 forwards.
+    per_row = [r["tokens_per_s"] / r["samples_per_s"] for r in history]
+    assert per_row[1] == pytest.approx(sum(lengths[-12:]) / 12, rel=2e-3), (per_row, lengths[-12:])
+    # MFU follows the tokens, not the samples: the FLOPs per sample the dry run counted at its
+    # batch's length, scaled to the window's mean length.
+    rate = trainer.throughput
+    counted_at = rate.flops_at_tokens
+    from xlatrain.train.perf import PROFILE_SAMPLES  # the dry run's rows: the first ones, padded together
+    assert counted_at == max(len(item["input_ids"]) for item in items[:PROFILE_SAMPLES]) and abs(per_row[1] / counted_at - 1) > 0.05, (counted_at, per_row)
+    for r, row_tokens in zip(history, per_row):
+        by_tokens = r["samples_per_s"] * rate.flops_per_sample * row_tokens / counted_at / rate.peak_per_device
+        assert r["mfu"] == pytest.approx(by_tokens, rel=2e-3), (r, by_tokens)
+    # The progress lines say tokens/s too.
+    assert any("tokens/s" in line and "step" in line for line in caplog.text.splitlines())

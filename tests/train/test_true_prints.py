@@ -39,9 +39,9 @@ def test_on_the_cpu_the_process_memory_is_named_as_such_not_as_a_device_peak(tmp
 def test_a_small_rate_keeps_its_digits_and_a_warm_up_interval_shows_none():
     assert format_rate(0.27) == "0.27" and format_rate(12.5) == "12.5" and format_rate(1874.4) == "1,874"
     lines = []
-    progress = EpochProgress(1, 10, 0, interactive=False, log=lines.append, rate_note=lambda r: f"MFU {r / 100:.1%}")
-    progress.show(2, epoch_loss=0.5, samples_per_s=None, nonfinite=0)
-    progress.show(4, epoch_loss=0.5, samples_per_s=0.27, nonfinite=0)
+    progress = EpochProgress(1, 10, 0, interactive=False, log=lines.append)
+    progress.show(2, epoch_loss=0.5, samples_per_s=None, nonfinite=0, rate_note="MFU 0.3%")
+    progress.show(4, epoch_loss=0.5, samples_per_s=0.27, nonfinite=0, rate_note="MFU 0.3%")
     assert "warm-up" in lines[0] and "MFU" not in lines[0] and "samples/s" not in lines[0]
     assert "0.27 samples/s" in lines[1] and " 0 samples/s" not in lines[1]
 

@@ -82,14 +82,15 @@ class Observers:
 class ProgressObserver:
     """The per-epoch progress line or bar (main process; lines when no terminal is attached)."""
 
-    def __init__(self, *, interactive: bool, log: Callable[[str], None], rate_note: Callable[[float], str] | None) -> None:
+    def __init__(self, *, interactive: bool, log: Callable[[str], None],
+                 rate_note: Callable[[dict[str, Any]], str] | None) -> None:
         self._interactive, self._log, self._rate_note = interactive, log, rate_note
         self._progress: EpochProgress | None = None
         self.on_step_end: Callable[[int, int, float], None] | None = self._advance if interactive else None
 
     def on_steps_start(self, trainer: Any, epoch: int, start_step: int, num_steps: int) -> None:
         self._progress = EpochProgress(
-            epoch, num_steps, start_step, interactive=self._interactive, log=self._log, rate_note=self._rate_note,
+            epoch, num_steps, start_step, interactive=self._interactive, log=self._log,
         )
 
     def _advance(self, step: int, index: int, input_wait_s: float) -> None:
@@ -104,7 +105,8 @@ class ProgressObserver:
                 and values["step"] < self._progress.num_steps:
             self._progress.show(values["step"], epoch_loss=values["epoch_loss"],
                                 samples_per_s=values["samples_per_s"], nonfinite=values["nonfinite_steps"],
-                                nonfinite_over=values.get("nonfinite_over", 1))
+                                nonfinite_over=values.get("nonfinite_over", 1),
+                                rate_note=self._rate_note(values) if self._rate_note is not None else "")
 
     def on_steps_stop(self) -> None:
         if self._progress is not None:

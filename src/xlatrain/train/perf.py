@@ -21,7 +21,7 @@ recomputation (activation checkpointing) is not model FLOPs and does not count.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -450,7 +450,14 @@ def plan_fixes(plan: MemoryPlan, *, whole_state: int, world_size: int, sharded: 
 
 @dataclass(frozen=True)
 class Throughput:
-    """Turns samples/s into tokens/s and MFU for the progress line, history and TensorBoard."""
+    """Turns samples/s into tokens/s and MFU for the progress line, history and TensorBoard.
+
+    Tokens per sample are the model's own ``tokens_per_sample`` where it has one; else, for batches
+    in the Hugging Face layout (:func:`tokens_per_row`), each step's ``input_ids`` positions per row,
+    counted as the loop takes the batch (``counts_input_ids``). FLOPs counted on a batch of
+    ``flops_at_tokens`` positions per row scale with the positions of the steps measured, so a run
+    whose batches are padded to their own longest sequence is not measured at the dry run's length.
+    """
 
     flops_per_sample: float | None
     flops_source: str
@@ -459,39 +466,62 @@ class Throughput:
     peak_source: str
     devices: int
     dtype: str
+    counts_input_ids: bool = False
+    flops_at_tokens: float | None = None
 
-    def figures(self, samples_per_s: float) -> dict[str, float]:
+    def figures(self, samples_per_s: float, tokens_per_row: float | None = None) -> dict[str, float]:
+        """tokens/s and MFU at ``samples_per_s``; ``tokens_per_row``: the mean ``input_ids``
+        positions per row over the steps measured, where the loop counts them."""
         out: dict[str, float] = {}
-        if self.tokens_per_sample:
-            out["tokens_per_s"] = samples_per_s * self.tokens_per_sample
+        tokens = self.tokens_per_sample or (tokens_per_row if self.counts_input_ids else None)
+        if tokens:
+            out["tokens_per_s"] = samples_per_s * tokens
         if self.flops_per_sample and self.peak_per_device:
-            out["mfu"] = samples_per_s * self.flops_per_sample / (self.peak_per_device * self.devices)
+            flops = self.flops_per_sample
+            if self.flops_at_tokens and tokens_per_row:
+                flops *= tokens_per_row / self.flops_at_tokens
+            out["mfu"] = samples_per_s * flops / (self.peak_per_device * self.devices)
         return out
 
-    def text(self, samples_per_s: float) -> str:
-        f = self.figures(samples_per_s)
-        parts = [f"{f['tokens_per_s']:,.0f} tokens/s"] if "tokens_per_s" in f else []
-        if "mfu" in f:
+    def text(self, figures: Mapping[str, Any]) -> str:
+        """tokens/s and MFU of :meth:`figures` (or an interval's values holding them), for the
+        progress line."""
+        parts = [f"{figures['tokens_per_s']:,.0f} tokens/s"] if figures.get("tokens_per_s") is not None else []
+        if (mfu := figures.get("mfu")) is not None:
             over = ""
-            if f["mfu"] > 1:  # no step outruns a true peak: the yardstick or the count is off
+            if mfu > 1:  # no step outruns a true peak: the yardstick or the count is off
                 over = (" (above 100%: the measured matmul is below what this model reaches here, so it is not this "
                         "device's peak)" if self.peak_source.startswith("measured") else
                         " (above 100%: the model's FLOPs per sample or the device's peak figure are off)")
-            parts.append(f"MFU {100 * f['mfu']:.1f}%{over}")
+            parts.append(f"MFU {100 * mfu:.1f}%{over}")
         return ", ".join(parts)
 
     def summary(self) -> str:
+        tokens = (" | tokens/s: each batch's input_ids positions (padding included), counted as the loop takes it"
+                  if self.counts_input_ids and not self.tokens_per_sample else "")
         if not self.flops_per_sample:
-            return f"model FLOPs: not counted ({self.flops_source})"
-        line = f"model FLOPs: {human_flops(self.flops_per_sample)} per sample ({self.flops_source})"
+            return f"model FLOPs: not counted ({self.flops_source})" + tokens
+        at = f" at {self.flops_at_tokens:,.0f} input_ids positions (scaled to each batch's)" if self.flops_at_tokens else ""
+        line = f"model FLOPs: {human_flops(self.flops_per_sample)} per sample{at} ({self.flops_source})"
         if self.peak_per_device:
             line += f" | peak {human_flops(self.peak_per_device)}/s {self.dtype} per device ({self.peak_source})"
         else:
             line += f" | no {self.dtype} peak FLOP/s known for this device ({self.peak_source}): no MFU"
-        return line
+        return line + tokens
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def tokens_per_row(batch: Any) -> float | None:
+    """A batch's ``input_ids`` positions per row, padding included (the positions the model
+    computes, as torchtitan and the Hugging Face Trainer count tokens), for a batch in the Hugging
+    Face layout: a mapping whose ``input_ids`` is an integer tensor of two or more dimensions.
+    ``None`` for any other batch. Reads shapes only, never the device."""
+    ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
+    if not isinstance(ids, torch.Tensor) or ids.dim() < 2 or ids.dtype.is_floating_point or not ids.shape[0]:
+        return None
+    return ids.numel() / ids.shape[0]
 
 
 def model_flops(model: torch.nn.Module) -> tuple[float | None, str, int | None]:

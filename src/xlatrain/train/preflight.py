@@ -70,7 +70,7 @@ def prepare(trainer: Trainer, train_data: Any, val_data: Any | None) -> tuple[pe
     names = None  # what metrics_fn returns, from this fit's own validation batch
     trainer._unused_parameters = []  # found again by this fit's dry run (DDP's reducer is told of them)
     try:
-        profile, flops, flops_source, tokens = _training_batch(trainer, train_data)
+        profile, flops, flops_source, tokens, counted = _training_batch(trainer, train_data)
         if val_data is not None:
             names = _validation_batch(trainer, val_data)
     finally:
@@ -78,7 +78,7 @@ def prepare(trainer: Trainer, train_data: Any, val_data: Any | None) -> tuple[pe
         set_host_rng_state(host_rng)
     check_monitor(trainer, val_data, names)
     _note_unused_label_names(trainer)
-    return plan(trainer, train_data, profile, flops, flops_source, tokens, state, gathered)
+    return plan(trainer, train_data, profile, flops, flops_source, tokens, state, gathered, counted)
 
 
 def _note_unused_label_names(trainer: Trainer) -> None:
@@ -104,7 +104,12 @@ def dry_run(trainer: Trainer, train_data: Any | None, val_data: Any | None) -> N
         set_host_rng_state(host_rng)
 
 
-def _training_batch(trainer: Trainer, train_data: Any) -> tuple[perf.StepProfile, float | None, str, int | None]:
+def _training_batch(trainer: Trainer, train_data: Any) -> tuple[perf.StepProfile, float | None, str, int | None,
+                                                                tuple[float, bool] | None]:
+    """The dry run (see :func:`prepare`): its profile, the model FLOPs per sample and their source,
+    the model's own tokens per sample, and, for a batch in the Hugging Face layout where the model
+    gives no tokens per sample, its ``input_ids`` positions per row and whether the FLOPs were
+    counted on them (:func:`perf.tokens_per_row`)."""
     rt, st, io = trainer.runtime, trainer.strategy, trainer.io
     module = st.unwrap(trainer.model)  # DDP's inner module: no gradient reduction is set up
     samples = min(len(train_data), perf.PROFILE_SAMPLES)
@@ -197,12 +202,14 @@ def _training_batch(trainer: Trainer, train_data: Any) -> tuple[perf.StepProfile
     if reached is not None:
         # Every process's finding together: DDP is wrapped anew on all of them, or on none.
         trainer._unused_parameters = sorted({n for found in st.gather_objects(reached.missed()) for n in found})
+    row_tokens = perf.tokens_per_row(batch) if tokens is None else None
+    counted = (row_tokens, flops is None) if row_tokens else None  # the FLOP counter runs on this batch
     if flops is None:
         flops = step.flops_per_sample
         flops_source = "torch's FLOP counter, one forward and backward pass" if flops else \
             "torch's FLOP counter found no matmul or convolution in the step"
     trainer._loss_of = loss_of  # the memory plan's bf16 measurement reuses it
-    return step, flops, flops_source, tokens
+    return step, flops, flops_source, tokens, counted
 
 
 class _GradientsReached:
@@ -414,7 +421,8 @@ class _Head:
 
 
 def plan(trainer: Trainer, train_data: Any, profile: perf.StepProfile, flops: float | None, flops_source: str,
-         tokens: int | None, state: dict[str, Any], gathered: int) -> tuple[perf.MemoryPlan, perf.Throughput]:
+         tokens: int | None, state: dict[str, Any], gathered: int,
+         counted: tuple[float, bool] | None = None) -> tuple[perf.MemoryPlan, perf.Throughput]:
     """What one training step needs of a device and what it computes, from the measured batch
     (:mod:`xlatrain.train.perf`); refuse a run that cannot fit, naming what would."""
     cfg, rt, st = trainer.config, trainer.runtime, trainer.strategy
@@ -427,6 +435,7 @@ def plan(trainer: Trainer, train_data: Any, profile: perf.StepProfile, flops: fl
         flops_per_sample=flops, flops_source=flops_source, tokens_per_sample=tokens,
         peak_per_device=peak[0] if peak else None, peak_source=peak[1] if peak else _no_peak(rt.device.type, compute),
         devices=st.world_size, dtype=str(compute).removeprefix("torch."),
+        counts_input_ids=counted is not None, flops_at_tokens=counted[0] if counted and counted[1] and flops else None,
     )
     if trainer.ema is not None and not trainer.ema.pairs():  # the averages: one more copy of the weights
         state = {**state, "optimizer": state["optimizer"] + state["parameters"]}

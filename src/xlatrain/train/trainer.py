@@ -135,7 +135,9 @@ class Trainer:
     one); while it trains it reports samples/s, tokens/s and model FLOPs utilisation
     (``trainer.throughput``). A model may say its own FLOPs and tokens per sample with a method
     ``train_flops_per_sample()`` and an attribute ``tokens_per_sample``; otherwise torch's FLOP
-    counter measures one step. See :mod:`xlatrain.train.perf`.
+    counter measures one step, and batches in the Hugging Face layout (a mapping with an integer
+    ``input_ids``) give tokens/s from each batch's ``input_ids`` positions, padding included. See
+    :mod:`xlatrain.train.perf`.
 
     Example:
         >>> trainer = Trainer(model, nn.CrossEntropyLoss(), partial(torch.optim.Adam, lr=1e-3),
@@ -378,6 +380,8 @@ class Trainer:
                             extra = True  # a source that gives more batches than it announced
                             break
                         input_wait_s = time.perf_counter() - fetch_started
+                        if ep.counts_tokens:  # shapes only: no device read
+                            ep.tokens += perf.tokens_per_row(batch) or 0.0
                         for fn in ep.step_start:
                             fn(ep.before + step)
                         last_micro = step % accum == 0
@@ -389,12 +393,13 @@ class Trainer:
                             fn(step, ep.before + step, input_wait_s)
                         if step == ep.clock.mark_step:  # the warm-up steps are done once the device ran them
                             rt.defer(ep.clock.mark, [])
+                            ep.tokens_at_mark = ep.tokens
                         span = accum if self._group is not None else 1  # skip_step's groups are read whole
                         if step % span == 0 and step // cfg.log_every != (step - span) // cfg.log_every and step < num_steps:
                             # A micro step is plotted at its coming optimizer step, so every point
                             # logged after a checkpoint at step T lies after T.
                             show = self._interval(ep.meter, epoch, ep.last_logged + 1, step,
-                                                  cursor.global_step + (0 if last_micro else 1))
+                                                  cursor.global_step + (0 if last_micro else 1), ep)
                             rt.defer(show, [st.all_reduce_mean(sums["loss"]), st.all_reduce_mean(sums["nonfinite"])])
                             ep.last_logged = step
                         if self._nonfinite is not None:
@@ -547,6 +552,8 @@ class Trainer:
             clock=clock, step_start=obs.hooks("on_step_start"), step_end=obs.hooks("on_step_end"),
             before=(epoch - 1) * feed.steps_per_epoch,  # the trace counts over the run
             last_logged=start_step,
+            # input_ids positions per row, summed over the epoch's steps in this fit (perf.Throughput)
+            counts_tokens=self.throughput is not None and self.throughput.counts_input_ids, tokens=0.0, tokens_at_mark=0.0,
         )
 
     def _epoch_means(self, feed: TrainFeed, cursor: Cursor, sums: dict[str, torch.Tensor], first_step: int,
@@ -566,7 +573,7 @@ class Trainer:
             read = {k: float(t) for k, t in zip(sums, rt.read([st.all_reduce_mean(t) for t in sums.values()]))}
         bad, skipped = read.pop("nonfinite"), float(read.pop("skipped", 0.0))
         if ep.last_logged < ran and ran > first_step:
-            self._interval(ep.meter, cursor.epoch, ep.last_logged + 1, ran, cursor.global_step)(read["loss"], bad)
+            self._interval(ep.meter, cursor.epoch, ep.last_logged + 1, ran, cursor.global_step, ep)(read["loss"], bad)
         self._check_nonfinite(float(bad) * st.counting_processes, cursor.epoch, 1, ran)  # every process's, in all
         skipped = float(bad) if cfg.nan_policy == "skip_step" else skipped  # alike everywhere
         good = ran - skipped if skipped or cfg.nan_policy == "skip_step" else max(ran, 1)  # NaN if none counted
@@ -575,7 +582,9 @@ class Trainer:
         if ran <= first_step:  # resumed at the epoch's end: none of its steps ran in this fit, no rate to give
             return row
         rate, warmup_s = clock.rate(ran, self.global_batch_size, first_step)
-        figures = self.throughput.figures(rate) if self.throughput is not None else {}
+        start = clock.window_start(ran, first_step)  # the steady window's input_ids positions per row, where counted
+        row_tokens = (ep.tokens - (ep.tokens_at_mark if start > first_step else 0.0)) / (ran - start) if ep.counts_tokens else None
+        figures = self.throughput.figures(rate, row_tokens) if self.throughput is not None else {}
         return {**row, "samples_per_s": float(f"{rate:.4g}"), **{k: float(f"{v:.4g}") for k, v in figures.items()},
                 **({"warmup_s": round(warmup_s, 3)} if warmup_s is not None else {})}
 
@@ -811,10 +820,11 @@ class Trainer:
         return new_sums(self._term_names, self.runtime.device)
 
     def _interval(self, meter: IntervalMeter, epoch: int, first: int, step: int,
-                  tb_step: int) -> Callable[[torch.Tensor, torch.Tensor], None]:
+                  tb_step: int, ep: SimpleNamespace) -> Callable[[torch.Tensor, torch.Tensor], None]:
         """The deferred read of one log interval: its figures to the observers (progress line or
         bar, TensorBoard, callbacks), and the NaN check."""
         lr = self._step_lr  # the rate the interval's last step used (a schedule has moved it on since)
+        tokens = ep.tokens if ep.counts_tokens else None  # as of ``step``: the read lands later
         if isinstance(lr, torch.Tensor) and lr.device.type != "cpu":
             lr = None  # a capturable optimizer keeps it on the device; not worth a read
 
@@ -824,9 +834,10 @@ class Trainer:
             if bad > 0 and self.config.nan_policy == "stop":
                 # Raised by the training loop right after this read, not inside the runtime's callback.
                 self._nonfinite = (epoch, first, step, round(bad * self.strategy.counting_processes))
-            stats = meter.measure(step, loss_sum=loss_sum, nonfinite=bad)
+            stats = meter.measure(step, loss_sum=loss_sum, nonfinite=bad, tokens=tokens)
             rate = stats.samples_per_s
-            figures = self.throughput.figures(rate) if self.throughput is not None and rate is not None else {}
+            figures = self.throughput.figures(rate, stats.tokens_per_row) if self.throughput is not None and rate is not None \
+                else {}
             self._observers.call("on_interval", self, {
                 "epoch": epoch, "step": step, "global_step": tb_step, "loss": stats.interval_loss,
                 "epoch_loss": stats.epoch_loss, "nonfinite_steps": stats.nonfinite, "nonfinite_over": stats.nonfinite_over,
