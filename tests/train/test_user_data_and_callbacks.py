@@ -3,6 +3,7 @@
 import dataclasses
 import functools
 import logging
+import math
 
 import pytest
 import torch
@@ -470,6 +471,46 @@ def test_soft_targets_reach_metrics_as_their_likeliest_class_and_multi_hot_ones_
                                          r"set task='multilabel'"):
         trainer.fit(TensorDataset(x, multi_hot), TensorDataset(x, multi_hot))
     assert not (tmp_path / "multi" / "history.json").exists()
+
+
+def test_accuracy_and_top_k_leave_out_targets_a_cross_entropy_ignores_as_the_loss_does(tmp_path):
+    # Rows whose target is -100 (CrossEntropyLoss's ignore_index, a Hugging Face label mask) are left
+    # out of val_loss; they were counted as wrong in val_accuracy (4/37 where 4/29 is right).
+    classes, n = 5, 37  # batches of 8: the last has 5 rows, and padding rows on the device
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(n, DIM, generator=g)
+    y = torch.randint(0, classes, (n,), generator=g)
+    ignored = torch.tensor([0, 3, 9, 16, 17, 30, 33, 36])  # 8 of 37, three of them in the partial last batch
+    y[ignored] = -100
+    kept = y != -100
+    seen = []
+
+    def metrics_fn(outputs, targets):
+        seen.append(targets)
+        return {"rows": float(len(targets))}
+
+    torch.manual_seed(0)
+    model = nn.Linear(DIM, classes)
+    trainer = Trainer(model, nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1),
+                      config=TrainConfig(epochs=1, batch_size=BATCH, run_dir=str(tmp_path / "r"), top_k=(2,),
+                                         diagnostics=False, tensorboard=False),
+                      backend="cpu", metrics_fn=metrics_fn)
+    history = trainer.fit(TensorDataset(x, y.clamp(min=0)), TensorDataset(x, y))
+    with torch.no_grad():
+        logits = model(x)
+    ranked = logits.topk(2, dim=1).indices
+    by_hand = float((ranked[kept, 0] == y[kept]).float().mean())
+    top2_by_hand = float((ranked[kept] == y[kept, None]).any(1).float().mean())
+    assert history[-1]["val_accuracy"] == pytest.approx(by_hand)
+    assert history[-1]["val_top2_accuracy"] == pytest.approx(top2_by_hand)
+    assert history[-1]["val_loss"] == pytest.approx(float(nn.functional.cross_entropy(logits, y)), rel=1e-5)
+    metrics = trainer.evaluate(TensorDataset(x, y))
+    assert metrics["accuracy"] == pytest.approx(by_hand) and metrics["top2_accuracy"] == pytest.approx(top2_by_hand)
+    assert metrics["num_samples"] == n  # every real row is a sample; only accuracy's count leaves some out
+    assert torch.equal(seen[-1], y)  # metrics_fn gets the targets as the dataset has them, -100s too
+    # Every target ignored: no row to score, and accuracy says so rather than 0.
+    every = trainer.evaluate(TensorDataset(x, torch.full((n,), -100)))
+    assert math.isnan(every["accuracy"]) and math.isnan(every["top2_accuracy"])
 
 
 # --- an EMA of the weights ---------------------------------------------------------------------

@@ -260,7 +260,9 @@ class EvalAccumulator:
     The loss is summed over real rows: per sample (an unreduced ``loss_fn`` masked by ``valid``),
     or per batch for the model's own loss (its mean times the batch's real rows; padding rows were
     cut from the batch before the model saw it), or over the whole set on the host. Accuracy and
-    top-k are summed per batch. Predictions and targets go to the host only when something needs
+    top-k are summed per batch, over the real rows whose target is a class: one whose target is
+    negative (-100, the index a cross-entropy ignores) is left out of both counts, as the loss
+    leaves it out. Predictions and targets go to the host only when something needs
     every row: a whole-set loss, multilabel AUC, a ``metrics_fn`` function. A streaming metric
     (``update``/``compute``) gets each batch's real rows.
     """
@@ -281,6 +283,7 @@ class EvalAccumulator:
         self.count = torch.zeros((), device=device)
         self.weight = None  # the loss's mean divides by this where its rows carry weights (target_weights)
         self.correct = torch.zeros((), device=device)
+        self.scored = torch.zeros((), device=device)  # accuracy's rows: real ones whose target is not ignored
         self.top_correct = [torch.zeros((), device=device) for _ in self.top_k]
         # torchmetrics' metrics sync themselves over torch.distributed at compute().
         self.streaming = metrics_fn if is_streaming(metrics_fn) else None
@@ -326,12 +329,16 @@ class EvalAccumulator:
             # Soft targets (label smoothing, mixup) count as their likeliest class, for accuracy and
             # for the metrics after it (a torchmetrics classifier takes class indices).
             targets = classes_B = targets.argmax(dim=1) if targets.is_floating_point() else targets
-            hit_B = (predictions.argmax(dim=1) == classes_B) & valid_B
+            # A negative class index is an ignored row (-100: a cross-entropy's ignore_index, a
+            # Hugging Face label mask), which val_loss leaves out: so do accuracy and top-k.
+            scored_B = valid_B & (classes_B >= 0)
+            self.scored = self.scored + scored_B.sum().to(self.scored.dtype)
+            hit_B = (predictions.argmax(dim=1) == classes_B) & scored_B
             self.correct = self.correct + hit_B.sum().to(self.correct.dtype)
             if self.top_k:
                 top_BK = predictions.topk(max(self.top_k), dim=1).indices == classes_B[:, None]
                 for i, k in enumerate(self.top_k):
-                    hits = top_BK[:, :k].any(dim=1) & valid_B
+                    hits = top_BK[:, :k].any(dim=1) & scored_B
                     self.top_correct[i] = self.top_correct[i] + hits.sum().to(self.correct.dtype)
         if self._feed_all:
             self._update_from_every_process(predictions, targets, rows)
@@ -364,17 +371,19 @@ class EvalAccumulator:
         """Reduce over processes, read once, and return host floats."""
         names = list(self.sums)
         weight = [self.weight] if self.weight is not None else []
-        stacked = torch.stack([self.sums[n] for n in names] + [self.count, self.correct, *self.top_correct, *weight])
+        stacked = torch.stack([self.sums[n] for n in names]
+                              + [self.count, self.correct, self.scored, *self.top_correct, *weight])
         (sums,) = runtime.read([strategy.all_reduce_sum(stacked)])
         values = sums.double().tolist()
-        *term_sums, count, correct = values[: len(names) + 2]
-        top_correct = values[len(names) + 2: len(names) + 2 + len(self.top_correct)]
+        *term_sums, count, correct, scored = values[: len(names) + 3]
+        top_correct = values[len(names) + 3: len(names) + 3 + len(self.top_correct)]
         divisor = values[-1] if weight else count
         out: dict[str, float] = {name: value / divisor if divisor else math.nan for name, value in zip(names, term_sums)}
         out["num_samples"] = int(count)
         if self.task == "classification":
-            out["accuracy"] = correct / count
-            out.update({f"top{k}_accuracy": c / count for k, c in zip(self.top_k, top_correct)})
+            # Over the rows whose target is a class: NaN where every one was ignored (no row to score).
+            out["accuracy"] = correct / scored if scored else math.nan
+            out.update({f"top{k}_accuracy": c / scored if scored else math.nan for k, c in zip(self.top_k, top_correct)})
         if self.streaming is not None:
             # DetectionMAP joins the processes through the strategy (a subclass whose compute() takes
             # none, through torch.distributed's group); torchmetrics' metrics sync themselves.
