@@ -578,7 +578,7 @@ PIECES = {
                                         r"set ema_decay"),
     "scheduler_interval without a schedule": Case(api(lambda d: trainer(d, cfg={"scheduler_interval": "step"})),
                                                   "ValueError", r"scheduler_interval='step' .* there is none",
-                                                  r"give scheduler_fn .* or leave scheduler_interval at 'epoch'"),
+                                                  r"give scheduler_fn .* or leave scheduler_interval out"),
 }
 
 

@@ -19,7 +19,7 @@ STRATEGIES = ("auto", "single", "ddp", "fsdp")
 PRECISIONS = ("32", "bf16", "fp16")
 TASKS = ("auto", "classification", "multilabel", "none")
 MONITOR_MODES = ("max", "min")
-SCHEDULER_INTERVALS = ("epoch", "step")
+SCHEDULER_INTERVALS = ("auto", "epoch", "step")
 NAN_POLICIES = ("stop", "skip_step", "ignore")
 
 
@@ -201,7 +201,11 @@ class TrainConfig:
         monitor: history column that selects the best weights (default from the task).
         monitor_mode: ``max`` or ``min``; may be left out only for a name ending in ``_loss``
             (min), ``_accuracy``, ``_auc`` or ``_map`` and a number, such as ``_map50`` (max).
-        scheduler_interval: step the scheduler every ``epoch`` or every optimizer ``step``.
+        scheduler_interval: step the scheduler every ``epoch`` or every optimizer ``step``;
+            ``"auto"`` (the default): every step for a two-argument ``scheduler_fn`` that reads
+            ``run.total_steps`` or ``run.steps_per_epoch`` (a schedule sized in optimizer steps, as
+            Hugging Face's and OneCycleLR are), every epoch otherwise (ReduceLROnPlateau always,
+            on the monitored value); the header says which and why.
         early_stop_patience: stop when the monitored value has not improved for this many
             epochs (``None``: train every epoch). A resumed run keeps counting from its best epoch.
         save_best: write ``best.safetensors`` whenever the monitored value improves.
@@ -248,7 +252,7 @@ class TrainConfig:
     channels_last: bool | str = "auto"
     monitor: str | None = None
     monitor_mode: str | None = None
-    scheduler_interval: str = "epoch"
+    scheduler_interval: str = "auto"
     early_stop_patience: int | None = None
     save_best: bool = True
     nan_policy: str = "stop"
@@ -651,15 +655,15 @@ def run_config_from_dict(data: dict[str, Any]) -> RunConfig:
     if not isinstance(data_section, dict):
         raise ValueError(f"data must be a mapping, got {data_section!r}")
     sections = {name: from_dict(cls, data.get(name) or {}, section=name) for name, cls in SECTIONS.items()}
-    if sections["schedule"].name == "warmup_cosine" and sections["trainer"].scheduler_interval != "step":
+    if sections["schedule"].name == "warmup_cosine" and sections["trainer"].scheduler_interval == "epoch":
         raise ValueError(
-            "schedule.name=warmup_cosine counts optimizer steps: set trainer.scheduler_interval: step "
+            "schedule.name=warmup_cosine counts optimizer steps: set trainer.scheduler_interval: step (or auto) "
             f"(it is {sections['trainer'].scheduler_interval!r})"
         )
     schedule, interval = sections["schedule"], sections["trainer"].scheduler_interval
-    if schedule.name == "none" and interval != "epoch":  # refused before the recipe builds (or generates) anything
+    if schedule.name == "none" and interval not in ("auto", "epoch"):  # refused before the recipe builds anything
         raise ValueError(f"trainer.scheduler_interval: {interval} says when a learning-rate schedule steps, and "
-                         "schedule.name is none: name one (step, cosine, warmup_cosine), or leave the interval at epoch")
+                         "schedule.name is none: name one (step, cosine, warmup_cosine), or leave the interval out")
     if schedule.name == "step" and interval == "step" and schedule.step_size is None and schedule.gamma is None:
         raise ValueError(
             "schedule.name=step with trainer.scheduler_interval: step decays the rate every schedule.step_size "

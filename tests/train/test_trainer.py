@@ -615,3 +615,63 @@ def test_early_stopping_counts_patience_from_the_first_epoch_its_monitor_judged(
     assert [row["epoch"] for row in history] == [1, 2, 3, 4]  # judged from epoch 3 (best), not improved in 4
     assert "early stop: val_score has not improved for 1 epoch(s) (best 0.5000 in epoch 3)" in caplog.text
     assert "best nan" not in caplog.text
+
+
+@pytest.mark.parametrize("kind", ["total_steps", "steps_per_epoch", "epochs", "optimizer only", "explicit epoch"])
+def test_auto_steps_a_schedule_sized_in_optimizer_steps_every_step_and_says_so(tmp_path, caplog, kind):
+    """scheduler_interval defaulted to 'epoch': the RunShape docstring's own OneCycleLR over
+    run.total_steps, and Hugging Face's warmup cosine, were stepped once an epoch, unsaid (4
+    epochs of 6 steps: the rate rose 0.004 -> 0.05 and never reached max_lr 0.1)."""
+    caplog.set_level(logging.INFO, logger="xlatrain")
+    schedule = {
+        "total_steps": lambda opt, run: torch.optim.lr_scheduler.OneCycleLR(opt, 0.1, total_steps=run.total_steps),
+        "steps_per_epoch": lambda opt, run: torch.optim.lr_scheduler.OneCycleLR(
+            opt, 0.1, epochs=run.epochs, steps_per_epoch=run.steps_per_epoch),
+        "epochs": lambda opt, run: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=run.epochs),
+        "optimizer only": functools.partial(torch.optim.lr_scheduler.StepLR, step_size=1),
+        "explicit epoch": lambda opt, run: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=run.total_steps),
+    }[kind]
+    trainer = Trainer(_mlp(), nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1), scheduler_fn=schedule,
+                      config=TrainConfig(epochs=4, batch_size=8, run_dir=str(tmp_path), tensorboard=False,
+                                         **({"scheduler_interval": "epoch"} if kind == "explicit epoch" else {})),
+                      backend="cpu")
+    trainer.fit(_classification(48))
+    per_step = kind in ("total_steps", "steps_per_epoch")
+    assert trainer.schedule_interval == ("step" if per_step else "epoch")
+    assert trainer.scheduler.last_epoch == (24 if per_step else 4)  # 6 optimizer steps an epoch
+    line = next(ln for ln in caplog.text.splitlines() if " schedule: " in ln)
+    assert ("every optimizer step" if per_step else "every epoch") in line, line
+    if kind == "total_steps":
+        assert "read run.total_steps, counts of optimizer steps" in line, line
+    elif kind == "explicit epoch":  # a choice the user made stays theirs
+        assert "(scheduler_interval='epoch')" in line, line
+    # The checkpoint records the interval that ran: a resume compares it.
+    meta = max((tmp_path / "checkpoints").glob("*/meta.json"))
+    assert json.loads(meta.read_text())["config"]["trainer"]["scheduler_interval"] == trainer.schedule_interval
+
+
+def test_reduce_lr_on_plateau_steps_on_the_monitored_value_each_epoch(tmp_path, caplog):
+    """ReduceLROnPlateau.step() needs the metric: it failed with a TypeError after the first
+    epoch had trained and validated."""
+    caplog.set_level(logging.INFO, logger="xlatrain")
+    plateau = functools.partial(torch.optim.lr_scheduler.ReduceLROnPlateau, mode="min", patience=0, factor=0.5, eps=0)
+    data = _classification(32)
+    # A rate too small to move the loss: every epoch after the first fails to improve it.
+    trainer = Trainer(_mlp(), nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=1e-9), scheduler_fn=plateau,
+                      config=TrainConfig(epochs=3, batch_size=8, run_dir=str(tmp_path / "a"), tensorboard=False,
+                                         monitor="val_loss"), backend="cpu")
+    history = trainer.fit(data, data)
+    assert [r["lr"] for r in history] == pytest.approx([1e-9, 1e-9, 5e-10])
+    assert "schedule: ReduceLROnPlateau stepped every epoch, on val_loss" in caplog.text
+    # Its direction against the monitor's, and a per-step interval, are refused before training.
+    for cfg, match in (({}, r"ReduceLROnPlateau\(mode='min'\) .* val_accuracy, which is better higher .* mode='max'"),
+                       ({"monitor": "val_loss", "scheduler_interval": "step"}, r"scheduler_interval='step' .* 'epoch'")):
+        model = _mlp()
+        before = [p.detach().clone() for p in model.parameters()]
+        trainer = Trainer(model, nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1), scheduler_fn=plateau,
+                          config=TrainConfig(epochs=2, batch_size=8, run_dir=str(tmp_path / "b"), tensorboard=False, **cfg),
+                          backend="cpu")
+        with pytest.raises(ValueError, match=match):
+            trainer.fit(data, data)
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        assert not (tmp_path / "b" / "history.json").exists()

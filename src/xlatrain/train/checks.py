@@ -60,10 +60,10 @@ def check_arguments(
             raise TypeError(
                 f"{name} is a {type(value).__name__}, not a {cls.__name__}: pass {cls.__name__}(**your_values)"
             )
-    if scheduler_fn is None and config is not None and config.scheduler_interval != "epoch":
+    if scheduler_fn is None and config is not None and config.scheduler_interval not in ("auto", "epoch"):
         raise ValueError(
             f"scheduler_interval={config.scheduler_interval!r} says when a learning-rate schedule steps, and there is "
-            "none: give scheduler_fn (schedule.name in a config file), or leave scheduler_interval at 'epoch'")
+            "none: give scheduler_fn (schedule.name in a config file), or leave scheduler_interval out")
     streaming = callable(getattr(metrics_fn, "update", None)) and callable(getattr(metrics_fn, "compute", None))
     if metrics_fn is not None and not callable(metrics_fn) and not streaming:
         raise TypeError(

@@ -38,9 +38,34 @@ class RunShape:
     """The length of a run in optimizer steps, after gradient accumulation and devices.
 
     A two-argument ``scheduler_fn`` gets it: ``lambda opt, run: OneCycleLR(opt, 0.1, total_steps=run.total_steps)``;
-    ``trainer.run_shape`` holds it once ``fit`` has begun (a callback's ``on_fit_start`` reads it).
+    a schedule built from ``total_steps`` or ``steps_per_epoch`` steps every optimizer step
+    (``scheduler_interval='auto'``). ``trainer.run_shape`` holds it once ``fit`` has begun (a
+    callback's ``on_fit_start`` reads it).
     """
 
     total_steps: int  # optimizer steps over all epochs
     steps_per_epoch: int  # optimizer steps per epoch
     epochs: int
+
+    def __getattribute__(self, name: str) -> Any:
+        if name in _LENGTHS and (reads := object.__getattribute__(self, "__dict__").get("_reads")) is not None:
+            reads.add(name)  # made_with_run: which lengths a scheduler factory reads
+        return object.__getattribute__(self, name)
+
+
+_LENGTHS = frozenset(("total_steps", "steps_per_epoch", "epochs"))
+
+
+# The lengths of a run counted in optimizer steps: a schedule made from one steps every optimizer step.
+STEP_COUNTS = ("total_steps", "steps_per_epoch")
+
+
+def made_with_run(make: SchedulerFactory, optimizer: torch.optim.Optimizer, run: RunShape) -> tuple[Any, set[str]]:
+    """``make(optimizer, run)``, and which of the run's lengths it read as it built the schedule
+    (``scheduler_interval='auto'`` steps a schedule made from a count of optimizer steps every step)."""
+    watched, read = dataclasses.replace(run), set()
+    object.__setattr__(watched, "_reads", read)
+    try:
+        return make(optimizer, watched), set(read)
+    finally:
+        object.__setattr__(watched, "_reads", None)  # later reads (a closure's, at each step) decide nothing

@@ -19,6 +19,7 @@ import torch
 from xlatrain.backend.base import PLANNED_READ
 from xlatrain.backend.model_state import IMPLEMENTATION_KEYS, optimizer_implementation, restore_implementation
 from xlatrain.train.checks import required_positional
+from xlatrain.train.factories import STEP_COUNTS, made_with_run
 from xlatrain.train.ema import drop_averages
 from xlatrain.checkpoint import (
     SHARDS_DIR,
@@ -200,7 +201,8 @@ def _plain(value: Any) -> Any:
 
 
 def build_schedule(trainer: Trainer, *, for_fit: bool) -> None:
-    """The learning-rate schedule ``scheduler_fn`` makes, kept as ``trainer.scheduler``.
+    """The learning-rate schedule ``scheduler_fn`` makes, kept as ``trainer.scheduler``, and when it
+    steps (``trainer.schedule_interval``).
 
     As the Trainer is built: one taking only the optimizer, built now (a user may read it). As
     each fit begins: one that needs the run's length, built for this fit's; and in a fit after
@@ -212,25 +214,67 @@ def build_schedule(trainer: Trainer, *, for_fit: bool) -> None:
     if not for_fit:
         trainer._scheduler_wants_run = make is not None and required_positional(make) >= 2
         trainer._schedule_fits = 0
+        trainer._schedule_reads = set()
         trainer.scheduler = make(trainer.optimizer) if make is not None and not trainer._scheduler_wants_run else None
         trainer._built_scheduler = trainer.scheduler
         return
     trainer._schedule_fits += 1
     again = trainer._schedule_fits > 1
-    if make is None or trainer.scheduler is not trainer._built_scheduler or not (trainer._scheduler_wants_run or again):
-        return
-    if again:  # a schedule made from the current rate (a cosine's next) starts from the first one again
-        for group in trainer.optimizer.param_groups:
-            start = group.get("initial_lr")
-            if start is None:
-                continue
-            if isinstance(group["lr"], torch.Tensor):
-                group["lr"].copy_(start) if isinstance(start, torch.Tensor) else group["lr"].fill_(start)
-            else:
-                group["lr"] = start.clone() if isinstance(start, torch.Tensor) else start
-    wants_run = trainer._scheduler_wants_run
-    trainer.scheduler = make(trainer.optimizer, trainer.run_shape) if wants_run else make(trainer.optimizer)
-    trainer._built_scheduler = trainer.scheduler
+    if make is not None and trainer.scheduler is trainer._built_scheduler and (trainer._scheduler_wants_run or again):
+        if again:  # a schedule made from the current rate (a cosine's next) starts from the first one again
+            for group in trainer.optimizer.param_groups:
+                start = group.get("initial_lr")
+                if start is None:
+                    continue
+                if isinstance(group["lr"], torch.Tensor):
+                    group["lr"].copy_(start) if isinstance(start, torch.Tensor) else group["lr"].fill_(start)
+                else:
+                    group["lr"] = start.clone() if isinstance(start, torch.Tensor) else start
+        if trainer._scheduler_wants_run:
+            trainer.scheduler, trainer._schedule_reads = made_with_run(make, trainer.optimizer, trainer.run_shape)
+        else:
+            trainer.scheduler = make(trainer.optimizer)
+        trainer._built_scheduler = trainer.scheduler
+    _settle_interval(trainer)
+
+
+def _settle_interval(trainer: Trainer) -> None:
+    """``scheduler_interval='auto'``: every optimizer step for a schedule made from the run's
+    length in steps (``run.total_steps``, ``run.steps_per_epoch``), as a Hugging Face or OneCycle
+    schedule counts them; every epoch otherwise. The run's recorded config holds the interval
+    chosen, so a resume compares what ran. ReduceLROnPlateau steps on the monitored value, once
+    an epoch, in the monitor's direction."""
+    cfg, scheduler = trainer.config, trainer.scheduler
+    chosen = cfg.scheduler_interval
+    plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+    if chosen == "auto" and plateau:
+        chosen, how = "epoch", "every epoch"
+    elif chosen == "auto":
+        steps = sorted(trainer._schedule_reads & set(STEP_COUNTS))
+        chosen = "step" if steps else "epoch"
+        why = (f"scheduler_fn read run.{' and run.'.join(steps)}, counts of optimizer steps" if steps else
+               "scheduler_fn read no count of optimizer steps from the run" if trainer._scheduler_wants_run else
+               "scheduler_fn takes only the optimizer")
+        how = f"every {'optimizer step' if chosen == 'step' else 'epoch'} (scheduler_interval='auto': {why}; " \
+              f"set scheduler_interval to choose)"
+    else:
+        how = f"every {'optimizer step' if chosen == 'step' else 'epoch'} (scheduler_interval={chosen!r})"
+    if plateau:
+        if chosen == "step":
+            raise ValueError(
+                "ReduceLROnPlateau lowers the rate when the monitored value stops improving, which xlatrain measures "
+                f"once an epoch ({trainer.monitor}); scheduler_interval='step' would step it every optimizer step with "
+                "no value to give: leave scheduler_interval at 'auto' or set 'epoch'")
+        if scheduler.mode != trainer.monitor_mode:
+            raise ValueError(
+                f"ReduceLROnPlateau(mode={scheduler.mode!r}) lowers the rate when its value stops "
+                f"{'falling' if scheduler.mode == 'min' else 'rising'}, but it is given {trainer.monitor}, which is better "
+                f"{'higher' if trainer.monitor_mode == 'max' else 'lower'} (monitor_mode {trainer.monitor_mode!r}): "
+                f"build it with mode={trainer.monitor_mode!r}, or set monitor (trainer.monitor) to the value it should follow")
+        how += f", on {trainer.monitor}"
+    trainer.schedule_interval = chosen
+    trainer._config_record["trainer"]["scheduler_interval"] = chosen
+    trainer._schedule_note = f"schedule: {type(scheduler).__name__} stepped {how}" if scheduler is not None else None
 
 
 def _global_batch_hint(trainer: Trainer, old: dict[str, Any]) -> str:
@@ -406,15 +450,20 @@ def nonfinite_error(precision: str, epoch: int, first: int, last: int, count: in
     )
 
 
-def step_schedule(scheduler: Any, *, quiet: bool) -> None:
-    """``scheduler.step()`` at an epoch's end. ``quiet``: this fit ran none of the epoch's steps
-    (it resumed at the last), and torch would warn that the schedule stepped before the optimizer
-    and will skip its first value: untrue here, where the optimizer stepped before the checkpoint,
-    in the process that wrote it."""
+def step_schedule(scheduler: Any, *, quiet: bool, monitored: float | None = None) -> None:
+    """``scheduler.step()`` at an epoch's end (ReduceLROnPlateau: ``step(monitored)``, the epoch's
+    monitored value; none where the row lacks it, which the epoch's end then refuses). ``quiet``:
+    this fit ran none of the epoch's steps (it resumed at the last), and torch would warn that the
+    schedule stepped before the optimizer and will skip its first value: untrue here, where the
+    optimizer stepped before the checkpoint, in the process that wrote it."""
     with warnings.catch_warnings():
         if quiet:
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before `optimizer")
-        scheduler.step()
+        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            if monitored is not None:
+                scheduler.step(monitored)
+        else:
+            scheduler.step()
 
 
 def preempt(trainer: Trainer, cursor: Cursor, sums: dict[str, torch.Tensor], stop: StopSignals) -> NoReturn:

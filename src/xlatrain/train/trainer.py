@@ -256,6 +256,9 @@ class Trainer:
             )
         # Built after any scaling (it starts from the scaled rate); one that needs the run's length, by fit.
         self._scheduler_fn = scheduler_fn
+        # when the schedule steps: scheduler_interval, or what 'auto' chooses as each fit builds it
+        self.schedule_interval = "epoch" if cfg.scheduler_interval == "auto" else cfg.scheduler_interval
+        self._schedule_note: str | None = None
         resumable.build_schedule(self, for_fit=False)
         self.history: list[dict[str, Any]] = []
         self._step_lr: Any = None  # the learning rate the last training step used
@@ -487,7 +490,7 @@ class Trainer:
                               *([self._channels_last_note] if self._channels_last_note else [])]))
         if fork_note := fork_hang_note(feed.num_workers):
             self._say(f"note: {fork_note}")
-        for note in (self._model_note, self._optimizer_note):
+        for note in (self._model_note, self._optimizer_note, self._schedule_note):
             if note:
                 self._say(note)
         if self.ema is not None:
@@ -627,8 +630,8 @@ class Trainer:
         now = self.runtime.runtime_stats()  # process totals: the row gets the epoch's share
         row.update({key: value - self._stats_mark.get(key, 0) for key, value in now.items()})
         self._stats_mark = now
-        if self.scheduler is not None and cfg.scheduler_interval == "epoch":
-            resumable.step_schedule(self.scheduler, quiet=not stepped)
+        if self.scheduler is not None and self.schedule_interval == "epoch":
+            resumable.step_schedule(self.scheduler, quiet=not stepped, monitored=row.get(self.monitor))
         improved = self._track_best(row, cursor)
         self.history.append(row)
         cursor.epoch_done = True
@@ -778,7 +781,7 @@ class Trainer:
                 with rt.planned_transfers() if guard else contextlib.nullcontext():  # skip_step reads once (guarded_step)
                     remade = st.optimizer_step(opt, finite if guard else None)
             opt.zero_grad(set_to_none=True)
-            if self.scheduler is not None and cfg.scheduler_interval == "step":
+            if self.scheduler is not None and self.schedule_interval == "step":
                 self.scheduler.step()
             cursor.global_step += 1
             if self.ema is not None:
