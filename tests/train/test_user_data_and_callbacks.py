@@ -101,6 +101,16 @@ def test_the_samples_a_users_sampler_leaves_out_of_full_steps_are_said(tmp_path,
     assert "note: the sampler's 30 indices in epoch 1 make 6 full batches of 4, so that every step has the same shape " \
            "and every optimizer step its 3 micro-batches: the 6 after them are not trained on in that epoch" in caplog.text
     assert "len() is" not in caplog.text  # its length says what it gives
+    assert "never trained on" not in caplog.text  # a random draw: other samples each epoch
+    # A SequentialSampler gives the same order every epoch: its tail is never trained on at all.
+    caplog.clear()
+    trainer = Trainer(_model(), nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1),
+                      sampler=torch.utils.data.SequentialSampler(range(30)),
+                      config=TrainConfig(epochs=1, batch_size=4, grad_accum_steps=3, run_dir=str(tmp_path / "seq"),
+                                         tensorboard=False), backend="cpu")
+    trainer.fit(_data())
+    assert "the 6 after them are not trained on in that epoch (SequentialSampler gives the same order every epoch: " \
+           "those 6 are never trained on)" in caplog.text
 
 
 def test_a_later_epoch_of_a_sampler_that_gives_more_is_said_with_the_count_it_gave(tmp_path, caplog):

@@ -300,7 +300,9 @@ class TrainFeed:
             notes.append(f"note: the sampler's {gives} indices in epoch 1{where} make {self.steps_per_epoch} full "
                          f"batches of {per_step}, {why}"
                          + (" and every process as many steps as the one with the fewest" if fewest else "")
-                         + f": the {left} after them are not trained on in that epoch")
+                         + f": the {left} after them are not trained on in that epoch"
+                         + (f" ({type(sampler.sampler).__name__} gives the same order every epoch: those {left} are "
+                            "never trained on)" if _same_order(sampler.sampler) else ""))
         return "\n".join(notes) or None
 
     def steps_that_ran(self, epoch: int, step_done: int, extra: bool, *, user_sampler: bool) -> tuple[int, str | None]:
@@ -483,3 +485,11 @@ def to_channels_last(t: Any) -> Any:
     if isinstance(t, torch.Tensor) and t.dim() == 4 and t.is_floating_point():
         return t.contiguous(memory_format=torch.channels_last)
     return t
+
+
+def _same_order(sampler: Any) -> bool:
+    """A sampler certain to give the same indices every epoch: torch's SequentialSampler, or a
+    DistributedSampler without shuffling."""
+    if isinstance(sampler, torch.utils.data.SequentialSampler):
+        return True
+    return isinstance(sampler, torch.utils.data.DistributedSampler) and not sampler.shuffle
