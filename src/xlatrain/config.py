@@ -540,12 +540,14 @@ class OptimizerConfig:
 @dataclass(frozen=True, kw_only=True)
 class ScheduleConfig:
     """LR schedule, stepped per ``trainer.scheduler_interval``: StepLR, a cosine over the whole run, or
-    ``warmup_cosine``: a linear warmup over ``warmup_steps`` optimizer steps, then a cosine to
-    ``min_lr_ratio`` of the rate at the last step (stepped every optimizer step)."""
+    ``warmup_cosine``: a linear warmup over ``warmup_steps`` optimizer steps (the first at
+    1/``warmup_steps`` of the rate), then a cosine toward ``min_lr_ratio`` of the rate, reached
+    just after the run's last step (stepped every optimizer step)."""
 
     name: str = "none"
-    """``none`` (a constant rate), ``step`` (StepLR), ``cosine`` (cosine annealing to zero over
-    all epochs, or over all optimizer steps with ``trainer.scheduler_interval: step``) or
+    """``none`` (a constant rate), ``step`` (StepLR), ``cosine`` (cosine annealing toward zero over
+    all epochs, or over all optimizer steps with ``trainer.scheduler_interval: step``, reached just
+    after the last) or
     ``warmup_cosine`` (needs ``trainer.scheduler_interval: step``)."""
     step_size: int | None = None  # step only (default 1)
     """``step`` only: epochs (or optimizer steps, with ``trainer.scheduler_interval: step``) between

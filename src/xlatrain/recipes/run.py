@@ -120,14 +120,16 @@ def scheduler_factory(cfg: ScheduleConfig, epochs: int, interval: str = "epoch")
 
 
 def _cosine_over_steps(optimizer: torch.optim.Optimizer, run: Any) -> Any:
-    """Cosine annealing to zero at the run's last optimizer step (``run.total_steps``): stepped
-    every step, a period of ``epochs`` would rise and fall again within the run."""
+    """Cosine annealing toward zero over the run's optimizer steps (``run.total_steps``), reached
+    just after the last: stepped every step, a period of ``epochs`` would rise and fall again
+    within the run."""
     return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(run.total_steps, 1))
 
 
 def _warmup_cosine(optimizer: torch.optim.Optimizer, run: Any, *, warmup_steps: int, min_lr_ratio: float) -> Any:
-    """Linear warmup over ``warmup_steps`` optimizer steps, then a cosine down to ``min_lr_ratio``
-    of the rate at the run's last step (``run.total_steps``, known once the data is)."""
+    """Linear warmup over ``warmup_steps`` optimizer steps (the first at 1/``warmup_steps`` of the
+    rate), then a cosine down toward ``min_lr_ratio`` of the rate, reached just after the run's
+    last step (``run.total_steps``, known once the data is)."""
     import math
 
     total = max(run.total_steps, warmup_steps + 1)
