@@ -156,6 +156,16 @@ def drop_averages(optimizer: torch.optim.Optimizer) -> bool:
     return found
 
 
+def ema_summary(cfg: Any, model: torch.nn.Module) -> str:
+    """The run header's EMA line, from the run's ``TrainConfig``."""
+    return (f"EMA: decay {cfg.ema_decay}, rule {cfg.ema_rule!r} every {cfg.ema_every} step(s)"
+            + (f", copying the weights for {cfg.ema_warmup_epochs} warm-up epoch(s)" if cfg.ema_warmup_epochs else "")
+            + (f"; batch-norm statistics recomputed over {cfg.ema_bn_batches} training batch(es) before "
+               "each EMA evaluation" if cfg.ema_bn_batches and batch_norms(model) else
+               f"; note: ema_bn_batches={cfg.ema_bn_batches} does nothing, as the model has no batch-norm "
+               "layer with running statistics to recompute (leave it out)" if cfg.ema_bn_batches else ""))
+
+
 def batch_norms(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's batch-norm layers that keep running statistics: what ``ema_bn_batches`` recomputes."""
     return [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.track_running_stats]

@@ -46,7 +46,7 @@ from xlatrain.train import perf, preflight, resumable
 from xlatrain.train.batch import collate, tree_map
 from xlatrain.train.callbacks import Callbacks
 from xlatrain.train.checks import check_arguments, check_dataset, check_pipeline_arguments, failure_status, in_step
-from xlatrain.train.ema import EMA_KEY, EMA_WEIGHTS, WeightAverage, batch_norms, recomputed_batch_norm
+from xlatrain.train.ema import EMA_KEY, EMA_WEIGHTS, WeightAverage, ema_summary, recomputed_batch_norm
 from xlatrain.train.factories import ModelParameters, OptimizerFactory, RunShape, SchedulerFactory
 from xlatrain.train.feed import TrainFeed, channels_last_choice, eval_batches, follow_num_workers, to_channels_last
 from xlatrain.train.losses import EvalLoss, SkippedGroup, add_to_sums, new_sums
@@ -496,12 +496,7 @@ class Trainer:
             if note:
                 self._say(note)
         if self.ema is not None:
-            self._say(f"EMA: decay {cfg.ema_decay}, rule {cfg.ema_rule!r} every {cfg.ema_every} step(s)"
-                      + (f", copying the weights for {cfg.ema_warmup_epochs} warm-up epoch(s)" if cfg.ema_warmup_epochs else "")
-                      + (f"; batch-norm statistics recomputed over {cfg.ema_bn_batches} training batch(es) before "
-                         "each EMA evaluation" if cfg.ema_bn_batches and batch_norms(self.model) else
-                         f"; note: ema_bn_batches={cfg.ema_bn_batches} does nothing, as the model has no batch-norm "
-                         "layer with running statistics to recompute (leave it out)" if cfg.ema_bn_batches else ""))
+            self._say(ema_summary(cfg, self.model))
         self._say(f"memory per device, before the first step: {self.memory_plan.summary()}")
         self._say(self.throughput.summary())
         if note := feed.length_note():
