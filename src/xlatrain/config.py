@@ -161,7 +161,9 @@ class TrainConfig:
             numbers of them, that weighs a token of a short micro-batch more than one batch of
             them all would; the Hugging Face Trainer divides by the group's token count instead.
         clip_grad_norm: clip the global gradient norm to this value; ``None`` disables clipping.
-        log_every: steps between progress lines; the only per-step-interval host reads.
+        log_every: steps (micro-batches) between progress lines; the only per-step-interval host
+            reads. Under gradient accumulation a line waits for the optimizer step that ends the
+            group, so its loss is over whole groups.
         seed: seeds model init order, sampling and shuffling; each epoch reshuffles from it.
         num_workers: processes that fetch and decode batches beside each training process (the
             DataLoader's workers, or the shard reader's). ``"auto"``: the CPUs this process may use

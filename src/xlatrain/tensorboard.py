@@ -109,8 +109,8 @@ class TensorBoardLog:
                  tokens_per_s: float | None = None, mfu: float | None = None) -> None:
         """Log one training interval at optimizer step ``step``; ``None`` values are left out.
 
-        At most one point per step is written: where several log intervals fall within one
-        optimizer step (``log_every`` below ``grad_accum_steps``), the first one is kept.
+        At most one point per step is written (the Trainer ends each interval with an optimizer
+        step, so its loss is over whole accumulation groups); a second one for a step is left out.
         """
         if self._writer is None:
             return

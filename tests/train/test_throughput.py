@@ -101,3 +101,40 @@ def test_under_accumulation_the_warm_up_lasts_two_optimizer_steps(tmp_path):
     )
     trainer.fit(data)
     assert [v["samples_per_s"] is None for v in rates.values] == [True, True, False, False, False]  # steps 2, 4, .., 10
+
+
+@pytest.mark.parametrize("log_every", [1, 2, 4])
+def test_under_accumulation_each_interval_is_whole_optimizer_steps(tmp_path, log_every):
+    """An interval ended at any micro-batch: with 3 micro-batches a step, log_every=1 plotted the
+    first micro-batch's loss at optimizer step 1 (1.382 where the step's mean was 1.318), and
+    log_every=2 averaged micro-batches of two different steps."""
+    losses, recording = [], []
+
+    def loss_fn(outputs, targets):
+        loss = nn.functional.cross_entropy(outputs, targets)
+        if recording:
+            losses.append(float(loss))
+        return loss
+
+    class Start:
+        def on_fit_start(self, trainer):
+            recording.append(True)  # after the dry run
+
+    rates = _Rates()
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(8 * 12, 6, generator=g), torch.randint(0, 3, (8 * 12,), generator=g))
+    trainer = xlatrain.Trainer(
+        nn.Linear(6, 3), loss_fn, functools.partial(torch.optim.SGD, lr=0.1),
+        config=xlatrain.TrainConfig(epochs=1, batch_size=8, grad_accum_steps=3, log_every=log_every,
+                                    run_dir=str(tmp_path), tensorboard=False),
+        accelerator="cpu", callbacks=[rates, Start()],
+    )
+    trainer.fit(data)
+    assert len(losses) == 12
+    ends = [v["step"] for v in rates.values]
+    assert all(step % 3 == 0 for step in ends), ends
+    assert [v["global_step"] for v in rates.values] == [step // 3 for step in ends]
+    first = 0
+    for v in rates.values:
+        assert v["loss"] == pytest.approx(sum(losses[first:v["step"]]) / (v["step"] - first), rel=1e-5), (ends, v)
+        first = v["step"]

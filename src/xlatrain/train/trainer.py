@@ -399,12 +399,11 @@ class Trainer:
                         if step == ep.clock.mark_step:  # the warm-up steps are done once the device ran them
                             rt.defer(ep.clock.mark, [])
                             ep.tokens_at_mark = ep.tokens
-                        span = accum if self._group is not None else 1  # skip_step's groups are read whole
-                        if step % span == 0 and step // cfg.log_every != (step - span) // cfg.log_every and step < num_steps:
-                            # A micro step is plotted at its coming optimizer step, so every point
-                            # logged after a checkpoint at step T lies after T.
-                            show = self._interval(ep.meter, epoch, ep.last_logged + 1, step,
-                                                  cursor.global_step + (0 if last_micro else 1), ep)
+                        # An interval ends with an optimizer step (the first at or after each
+                        # log_every-th micro-batch): its loss is the mean of whole accumulation
+                        # groups, plotted at the step they made.
+                        if last_micro and step // cfg.log_every != (step - accum) // cfg.log_every and step < num_steps:
+                            show = self._interval(ep.meter, epoch, ep.last_logged + 1, step, cursor.global_step, ep)
                             rt.defer(show, [st.all_reduce_mean(sums["loss"]), st.all_reduce_mean(sums["nonfinite"])])
                             ep.last_logged = step
                         if self._nonfinite is not None:
