@@ -2,6 +2,9 @@
 config that changed since the checkpoint was written."""
 
 import functools
+import json
+import shutil
+import sys
 
 import pytest
 import torch
@@ -139,3 +142,75 @@ def test_every_trainer_and_checkpoint_setting_has_a_resume_rule():
     fields = {f"trainer.{f.name}" for f in dataclasses.fields(TrainConfig)}
     fields |= {f"checkpoint.{f.name}" for f in dataclasses.fields(CheckpointConfig)}
     assert fields - set(RESUME_RULES) == set(), "classify the new setting in RESUME_RULES"
+
+
+def _killed(run_dir, when):
+    """tests/scripts/killed_fit.py killed at ``when``: its exit status and status.json."""
+    import json
+    import signal
+    import sys
+
+    from conftest import SCRIPTS, run_bounded, script_env
+
+    proc = run_bounded([sys.executable, str(SCRIPTS / "killed_fit.py"), str(run_dir), when], script_env(), 120, warm=True)
+    return proc.returncode, json.loads((run_dir / "status.json").read_text()), signal.SIGKILL
+
+
+def test_a_run_killed_before_its_first_checkpoint_is_started_over_by_the_same_command(tmp_path):
+    """A kill -9 while the first epoch's end wrote its checkpoint (history and best weights already
+    written) left a run the same command refused: 'an earlier run's results ... but no checkpoint',
+    and status.json 'running' for ever, so a requeue on 'running' was refused each time."""
+    from conftest import SCRIPTS, run_script
+
+    run_dir = tmp_path / "run"
+    code, status, kill = _killed(run_dir, "epoch-written")
+    assert code == -kill and status["state"] == "running" and status["checkpoints"] is True, (code, status)
+    assert (run_dir / "best.safetensors").exists() and not list((run_dir / "checkpoints").glob("step-*"))
+    history = run_script([sys.executable, str(SCRIPTS / "killed_fit.py"), str(run_dir), "none"])
+    assert [row["epoch"] for row in history] == [1, 2]
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "finished"
+    # The same files left by a run that wrote no checkpoints (checkpoints off) are still refused.
+    status_file = run_dir / "status.json"
+    status_file.write_text(json.dumps({"state": "running", "checkpoints": False}))
+    for path in (run_dir / "checkpoints").glob("step-*"):
+        shutil.rmtree(path)
+    from xlatrain.storage.lock import RunDirError
+
+    with pytest.raises(RunDirError, match="holds an earlier run's results"):
+        _trainer(run_dir, epochs=2, batch_size=8).fit(_data(32))
+
+
+def test_a_run_killed_after_its_last_checkpoint_is_finished_on_the_rerun(tmp_path):
+    """A kill in on_fit_end, after every epoch was checkpointed, left status.json 'running'; each
+    rerun trained nothing and left it there, so a requeue on 'running' never ended."""
+    from conftest import SCRIPTS, run_script
+
+    run_dir = tmp_path / "run"
+    code, status, kill = _killed(run_dir, "fit-end")
+    assert code == -kill and status["state"] == "running", (code, status)
+    (run_dir / ".history.json.abc123.tmp").write_text("[")  # a write a kill cut short
+    history = run_script([sys.executable, str(SCRIPTS / "killed_fit.py"), str(run_dir), "none"])
+    assert [row["epoch"] for row in history] == [1, 2]
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "finished" and status["epochs"] == 2, status
+    assert not list(run_dir.glob(".*.tmp"))
+
+
+def test_a_failed_status_names_the_checkpoint_a_rerun_resumes_from(tmp_path):
+    """A process that fails after a checkpoint (a peer killed, the collective broken) wrote
+    'failed' without it, where the run resumes from it."""
+
+    class Fail:
+        def on_epoch_start(self, trainer, epoch):
+            if epoch == 2:
+                raise RuntimeError("a peer's collective broke")
+
+    torch.manual_seed(0)
+    trainer = xlatrain.Trainer(nn.Linear(4, 2), nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1),
+                               config=xlatrain.TrainConfig(run_dir=str(tmp_path), epochs=2, batch_size=4),
+                               backend="cpu", callbacks=[Fail()])
+    with pytest.raises(RuntimeError, match="collective broke"):
+        trainer.fit(_data())
+    status = json.loads((tmp_path / "status.json").read_text())
+    newest = max(p.name for p in (tmp_path / "checkpoints").glob("step-*"))
+    assert status["state"] == "failed" and status["checkpoint"] == newest, status

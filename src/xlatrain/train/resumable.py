@@ -121,6 +121,8 @@ def resume(trainer: Trainer, resume: bool | str) -> tuple[Cursor, dict[str, torc
         )
     sums = {k: torch.tensor(v, dtype=torch.float32).to(rt.device) for k, v in mine.items()}
     trainer._resumed_from = path  # said once it is known that there is something left to train
+    if path.parent == run_dir.path / "checkpoints":
+        run_dir.checkpoint = path.name  # what a failed status names for a rerun
     return cursor, sums
 
 

@@ -43,6 +43,7 @@ class RunDirectory:
         self._lock: run_lock.RunLock | None = None  # held by the main process while fit runs
         self._clear_pending = False  # resume="overwrite" clears the earlier run once the checks pass
         self.training = False  # this fit wrote "running": only then does it own status.json
+        self.checkpoint: str | None = None  # the newest complete checkpoint this fit wrote, as status.json names it
         self._created = False  # this fit made the directory (removed again if it fails at once)
 
     @property
@@ -86,6 +87,7 @@ class RunDirectory:
                 self._created = not self.path.exists()
                 make_run_dir(self.path)
                 self._lock = run_lock.acquire(self.path)
+                _remove_temporaries(self.path)
                 note = run_lock.stale_note(self._lock)
                 if self.remote is not None:
                     note = self._remote_open(resume) or note
@@ -142,7 +144,7 @@ class RunDirectory:
         then, after each checkpoint, where a rerun continues from it), ``preempted`` once a stop
         signal's checkpoint is complete (with its name: a rerun resumes from it), ``stopped`` for a
         stop signal with checkpoints off (nothing to resume), ``finished``, or ``failed``
-        (with the error). A requeue script reads ``state``; the launcher's exit status alone does not
+        (with the error, and the newest complete checkpoint this fit wrote or resumed from). A requeue script reads ``state``; the launcher's exit status alone does not
         tell (torchrun exits 1 after forwarding a SIGTERM its workers handled).
 
         A fit that ends before its first step (a finished run again, a refusal before training)
@@ -150,6 +152,9 @@ class RunDirectory:
         by a fit that wrote ``running``."""
         if state == "running":
             self.training = True
+            self.checkpoint = fields.get("checkpoint") or self.checkpoint
+        if state == "failed" and self.checkpoint is not None:
+            fields = {**fields, "checkpoint": self.checkpoint}  # a rerun resumes from it (a peer killed, say)
         if not self.training or not self._strategy.is_main or not self.path.is_dir():
             return
         from xlatrain.checkpoint import atomic_write_text
@@ -165,7 +170,7 @@ class RunDirectory:
             for name in names:
                 storage.upload(self.path / name, f"{self.remote.url}/{name}")
 
-    def clear_earlier_run(self) -> None:
+    def clear_earlier_run(self, why: str = "resume='overwrite'") -> None:
         """``resume="overwrite"``: remove the earlier run's files, now that this one can start."""
         if not self._clear_pending:
             return
@@ -175,8 +180,24 @@ class RunDirectory:
                 self.remote.clear()
             removed = clear_run(self.path)
             if removed:
-                self._say(f"resume='overwrite': removed the earlier run's {', '.join(removed)} from {self.path}")
+                self._say(f"{why}: removed the earlier run's {', '.join(removed)} from {self.path}")
         self._strategy.barrier()
+
+    def settle_finished(self, epochs: int) -> None:
+        """A rerun of a run whose every epoch is checkpointed: a ``running`` status.json left by a
+        kill after the last checkpoint (in ``on_fit_end``, say) is ``finished``, or a requeue on
+        ``running`` would run it again forever. Its writer is gone: this fit holds the lock."""
+        if self._strategy.is_main and self._status().get("state") == "running":
+            self.training = True
+            self.write_status("finished", epochs=epochs, note="set by a rerun: every epoch is in the checkpoint")
+            self.training = False
+
+    def _status(self) -> dict[str, Any]:
+        try:
+            status = json.loads((self.path / STATUS_FILE).read_text())
+        except (OSError, ValueError):
+            return {}
+        return status if isinstance(status, dict) else {}
 
     def _remove_if_unused(self) -> None:
         """A run directory this fit created and that holds nothing but its lock goes again when the
@@ -224,13 +245,31 @@ class RunDirectory:
             )
         left = [name for name in ("history.json", "best.safetensors") if (self.path / name).exists()
                 and not (name == "history.json" and _no_epochs(self.path / name))]
+        # A run that was writing checkpoints and died before its first was complete (a kill -9
+        # while the first epoch's end wrote it): its results are of epochs nothing can continue,
+        # and the same command starts over, as it would have before they were written.
+        died = bool(left) and self._status().get("state") == "running" and self._status().get("checkpoints") is True
         if self._strategy.num_processes > 1:  # the main process's copy decides (another host's holds none of it)
-            left = self._strategy.gather_objects(left if self._strategy.is_main else None)[0]
+            left, died = self._strategy.gather_objects((left, died) if self._strategy.is_main else None)[0]
+        if died:
+            self._clear_pending = True
+            self.clear_earlier_run("the earlier run here stopped (status.json 'running': killed) before its first "
+                                   "checkpoint was complete, so nothing can continue it; starting over")
+            return
         if left:
             raise run_lock.RunDirError(
                 f"{self.path} holds an earlier run's results ({', '.join(left)}) but no checkpoint to continue it from "
                 "(checkpoints were off, or removed); training here would replace them. " + ways
             )
+
+
+def _remove_temporaries(path: Path) -> None:
+    """The half-written files of a write a kill cut short (an atomic write's ``.NAME.XXXX.tmp``):
+    this fit holds the lock, so no writer is left to finish them."""
+    for tmp in path.glob(".*.tmp"):
+        with contextlib.suppress(OSError):
+            if tmp.is_file():
+                tmp.unlink()
 
 
 def _no_epochs(history: Path) -> bool:
