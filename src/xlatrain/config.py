@@ -550,7 +550,8 @@ class ScheduleConfig:
     """``none`` (a constant rate), ``step`` (StepLR), ``cosine`` (cosine annealing toward zero over
     all epochs, or over all optimizer steps with ``trainer.scheduler_interval: step``, reached just
     after the last) or
-    ``warmup_cosine`` (needs ``trainer.scheduler_interval: step``)."""
+    ``warmup_cosine`` (stepped every optimizer step: ``trainer.scheduler_interval: step`` or
+    ``auto``)."""
     step_size: int | None = None  # step only (default 1)
     """``step`` only: epochs (or optimizer steps, with ``trainer.scheduler_interval: step``) between
     decays (``None``: 1; stepped per optimizer step, it or ``gamma`` must be given)."""
@@ -559,8 +560,8 @@ class ScheduleConfig:
     warmup_steps: int | None = None  # warmup_cosine only (default 0)
     """``warmup_cosine`` only: optimizer steps of linear warmup (``None``: 0)."""
     min_lr_ratio: float | None = None  # warmup_cosine only (default 0.1)
-    """``warmup_cosine`` only: the rate at the last step, as a fraction of the peak, 0 to 1
-    (``None``: 0.1)."""
+    """``warmup_cosine`` only: the floor the cosine falls to, reached just after the last step, as
+    a fraction of the peak, 0 to 1 (``None``: 0.1)."""
 
     def __post_init__(self) -> None:
         _choice("schedule.name", self.name, SCHEDULES)

@@ -675,3 +675,63 @@ def test_reduce_lr_on_plateau_steps_on_the_monitored_value_each_epoch(tmp_path, 
             trainer.fit(data, data)
         assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
         assert not (tmp_path / "b" / "history.json").exists()
+
+
+def test_under_auto_a_resumed_run_steps_its_schedule_as_the_checkpoints_run_did(tmp_path, caplog):
+    """A run an older xlatrain stepped every epoch (its default then) with a schedule sized in
+    steps was refused on resume ('scheduler_interval epoch -> step') though the user set nothing."""
+    caplog.set_level(logging.INFO, logger="xlatrain")
+
+    class StopAfterOne:
+        def on_epoch_end(self, trainer, row):
+            trainer.request_stop("the test")
+
+    def trainer(**cfg):
+        return Trainer(_mlp(), nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1),
+                       scheduler_fn=lambda opt, run: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=run.total_steps),
+                       config=TrainConfig(epochs=2, batch_size=8, run_dir=str(tmp_path), tensorboard=False, **cfg),
+                       backend="cpu", callbacks=[StopAfterOne()] if cfg else [])
+    trainer(scheduler_interval="epoch").fit(_classification(32))
+    resumed = trainer()
+    history = resumed.fit(_classification(32))
+    assert [row["epoch"] for row in history] == [1, 2] and resumed.schedule_interval == "epoch"
+    assert resumed.scheduler.last_epoch == 2  # once an epoch, as before
+    assert "the checkpoint's schedule was stepped every epoch: this run goes on so" in caplog.text
+
+
+def test_a_schedule_put_in_place_of_scheduler_fns_is_stepped_every_epoch_under_auto(tmp_path, caplog):
+    """A second fit kept what the first fit's factory read: a StepLR a user put in trainer.scheduler
+    was stepped every optimizer step, 'because scheduler_fn read run.total_steps'."""
+    caplog.set_level(logging.INFO, logger="xlatrain")
+    trainer = Trainer(_mlp(), nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1),
+                      scheduler_fn=lambda opt, run: torch.optim.lr_scheduler.OneCycleLR(opt, 0.1, total_steps=run.total_steps),
+                      config=TrainConfig(epochs=2, batch_size=8, run_dir=str(tmp_path), tensorboard=False), backend="cpu")
+    trainer.fit(_classification(32))
+    assert trainer.schedule_interval == "step"
+    mine = trainer.scheduler = torch.optim.lr_scheduler.StepLR(trainer.optimizer, step_size=1)
+    caplog.clear()
+    trainer.fit(_classification(32), resume="overwrite")
+    assert trainer.scheduler is mine and trainer.schedule_interval == "epoch" and mine.last_epoch == 2
+    assert "the schedule was put in trainer.scheduler, not made by scheduler_fn" in caplog.text
+
+
+def test_printing_the_run_in_a_scheduler_factory_reads_no_length(tmp_path):
+    """print(run) read every field: a cosine over run.epochs was then stepped every optimizer step."""
+    def factory(opt, run):
+        print(run)
+        return torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=run.epochs)
+
+    trainer = Trainer(_mlp(), nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1), scheduler_fn=factory,
+                      config=TrainConfig(epochs=2, batch_size=8, run_dir=str(tmp_path), tensorboard=False), backend="cpu")
+    trainer.fit(_classification(32))
+    assert trainer.schedule_interval == "epoch"
+
+
+def test_reduce_lr_on_plateau_starts_a_second_fit_at_the_first_rate(tmp_path):
+    plateau = functools.partial(torch.optim.lr_scheduler.ReduceLROnPlateau, patience=0, factor=0.5, eps=0)
+    trainer = Trainer(_mlp(), nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=1e-9), scheduler_fn=plateau,
+                      config=TrainConfig(epochs=3, batch_size=8, run_dir=str(tmp_path), tensorboard=False,
+                                         monitor="train_loss"), backend="cpu")
+    first = [r["lr"] for r in trainer.fit(_classification(32))]
+    again = [r["lr"] for r in trainer.fit(_classification(32), resume="overwrite")]
+    assert first == pytest.approx([1e-9, 1e-9, 5e-10]) and again == pytest.approx(first), (first, again)

@@ -52,6 +52,10 @@ class RunShape:
             reads.add(name)  # made_with_run: which lengths a scheduler factory reads
         return object.__getattribute__(self, name)
 
+    def __repr__(self) -> str:  # printing or logging the run reads no length for a schedule
+        fields = ", ".join(f"{n}={object.__getattribute__(self, n)}" for n in ("total_steps", "steps_per_epoch", "epochs"))
+        return f"RunShape({fields})"
+
 
 _LENGTHS = frozenset(("total_steps", "steps_per_epoch", "epochs"))
 

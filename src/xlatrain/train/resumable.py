@@ -80,6 +80,7 @@ def resume(trainer: Trainer, resume: bool | str) -> tuple[Cursor, dict[str, torc
         path, tensors, meta = found
     else:
         path, tensors, meta = explicit_checkpoint(Path(resume), st)
+    _keep_saved_interval(trainer, meta)
     check_resumable(trainer, path, tensors, meta)
     # How the optimizer computes (fused, foreach, ...) is this run's choice, not the checkpoint's:
     # a state saved by a fused CUDA or single-device run also resumes under FSDP, whose sharded
@@ -217,6 +218,10 @@ def build_schedule(trainer: Trainer, *, for_fit: bool) -> None:
         trainer._scheduler_wants_run = make is not None and required_positional(make) >= 2
         trainer._schedule_fits = 0
         trainer._schedule_reads = set()
+        # The rates a schedule starts from, for a fit after another: torch's schedulers keep them as
+        # initial_lr, ReduceLROnPlateau does not.
+        trainer._first_rates = [g["lr"].clone() if isinstance(g["lr"], torch.Tensor) else g["lr"]
+                                for g in trainer.optimizer.param_groups]
         trainer.scheduler = make(trainer.optimizer) if make is not None and not trainer._scheduler_wants_run else None
         trainer._built_scheduler = trainer.scheduler
         return
@@ -224,10 +229,8 @@ def build_schedule(trainer: Trainer, *, for_fit: bool) -> None:
     again = trainer._schedule_fits > 1
     if make is not None and trainer.scheduler is trainer._built_scheduler and (trainer._scheduler_wants_run or again):
         if again:  # a schedule made from the current rate (a cosine's next) starts from the first one again
-            for group in trainer.optimizer.param_groups:
-                start = group.get("initial_lr")
-                if start is None:
-                    continue
+            for group, first in zip(trainer.optimizer.param_groups, trainer._first_rates):
+                start = group.get("initial_lr", first)
                 if isinstance(group["lr"], torch.Tensor):
                     group["lr"].copy_(start) if isinstance(start, torch.Tensor) else group["lr"].fill_(start)
                 else:
@@ -237,7 +240,25 @@ def build_schedule(trainer: Trainer, *, for_fit: bool) -> None:
         else:
             trainer.scheduler = make(trainer.optimizer)
         trainer._built_scheduler = trainer.scheduler
+    if trainer.scheduler is not trainer._built_scheduler:
+        trainer._schedule_reads = set()  # put in place of scheduler_fn's: what that read says nothing of it
     _settle_interval(trainer)
+
+
+def _keep_saved_interval(trainer: Trainer, meta: dict[str, Any]) -> None:
+    """Under ``scheduler_interval='auto'`` a resumed run steps its schedule as the checkpoint's run
+    did: one that an older xlatrain stepped every epoch (its default then) goes on so, said."""
+    saved = ((meta.get("config") or {}).get("trainer") or {}).get("scheduler_interval")
+    if trainer.config.scheduler_interval != "auto" or saved not in ("epoch", "step") or saved == trainer.schedule_interval:
+        return
+    trainer._say(f"the checkpoint's schedule was stepped every {'epoch' if saved == 'epoch' else 'optimizer step'}: "
+                 f"this run goes on so (scheduler_interval='auto' would have chosen '{trainer.schedule_interval}' for a "
+                 f"new run; set scheduler_interval to choose)")
+    trainer.schedule_interval = saved
+    trainer._config_record["trainer"]["scheduler_interval"] = saved
+    if trainer._schedule_note:
+        trainer._schedule_note = f"schedule: {type(trainer.scheduler).__name__} stepped every " \
+                                 f"{'epoch' if saved == 'epoch' else 'optimizer step'}, as the checkpoint's run was"
 
 
 def _settle_interval(trainer: Trainer) -> None:
@@ -255,6 +276,8 @@ def _settle_interval(trainer: Trainer) -> None:
         steps = sorted(trainer._schedule_reads & set(STEP_COUNTS))
         chosen = "step" if steps else "epoch"
         why = (f"scheduler_fn read run.{' and run.'.join(steps)}, counts of optimizer steps" if steps else
+               "the schedule was put in trainer.scheduler, not made by scheduler_fn"
+               if scheduler is not trainer._built_scheduler else
                "scheduler_fn read no count of optimizer steps from the run" if trainer._scheduler_wants_run else
                "scheduler_fn takes only the optimizer")
         how = f"every {'optimizer step' if chosen == 'step' else 'epoch'} (scheduler_interval='auto': {why}; " \
