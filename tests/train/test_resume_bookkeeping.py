@@ -214,3 +214,39 @@ def test_a_failed_status_names_the_checkpoint_a_rerun_resumes_from(tmp_path):
     status = json.loads((tmp_path / "status.json").read_text())
     newest = max(p.name for p in (tmp_path / "checkpoints").glob("step-*"))
     assert status["state"] == "failed" and status["checkpoint"] == newest, status
+
+
+def test_a_failure_after_the_last_checkpoint_is_finished_on_the_rerun(tmp_path):
+    """'failed' names the checkpoint a rerun resumes from; where that checkpoint holds every epoch,
+    the rerun trained nothing and left 'failed', and a requeue that follows it never ended."""
+
+    class FailAtTheEnd:
+        def on_epoch_end(self, trainer, row):
+            if row["epoch"] == 2:
+                raise RuntimeError("after the last checkpoint")
+
+    def trainer(callbacks):
+        torch.manual_seed(0)
+        return xlatrain.Trainer(nn.Linear(4, 2), nn.CrossEntropyLoss(), functools.partial(torch.optim.SGD, lr=0.1),
+                                config=xlatrain.TrainConfig(run_dir=str(tmp_path), epochs=2, batch_size=4),
+                                backend="cpu", callbacks=callbacks)
+    with pytest.raises(RuntimeError, match="after the last checkpoint"):
+        trainer([FailAtTheEnd()]).fit(_data())
+    assert json.loads((tmp_path / "status.json").read_text())["state"] == "failed"
+    assert len(trainer([]).fit(_data())) == 2
+    assert json.loads((tmp_path / "status.json").read_text())["state"] == "finished"
+
+
+def test_several_epochs_of_results_without_a_checkpoint_stay_refused_after_a_kill(tmp_path):
+    """The start-over for a run killed in its first checkpoint's write is for one epoch's results:
+    a run whose checkpoints come every N steps, past several epochs, keeps them (refused)."""
+    from xlatrain.storage.lock import RunDirError
+
+    first = _trainer(tmp_path, epochs=3, batch_size=8)
+    first.fit(_data(32))
+    for path in (tmp_path / "checkpoints").glob("step-*"):
+        shutil.rmtree(path)
+    (tmp_path / "status.json").write_text(json.dumps({"state": "running", "checkpoints": True}))  # as a kill leaves it
+    with pytest.raises(RunDirError, match="holds an earlier run's results"):
+        _trainer(tmp_path, epochs=3, batch_size=8).fit(_data(32))
+    assert len(json.loads((tmp_path / "history.json").read_text())) == 3

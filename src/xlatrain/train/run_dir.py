@@ -185,9 +185,10 @@ class RunDirectory:
 
     def settle_finished(self, epochs: int) -> None:
         """A rerun of a run whose every epoch is checkpointed: a ``running`` status.json left by a
-        kill after the last checkpoint (in ``on_fit_end``, say) is ``finished``, or a requeue on
-        ``running`` would run it again forever. Its writer is gone: this fit holds the lock."""
-        if self._strategy.is_main and self._status().get("state") == "running":
+        kill after the last checkpoint (in ``on_fit_end``, say), or a ``failed`` one naming that
+        checkpoint (a failure after it), is ``finished``, or a requeue on it would run it again for
+        ever. Its writer is gone: this fit holds the lock."""
+        if self._strategy.is_main and self._status().get("state") in ("running", "failed"):
             self.training = True
             self.write_status("finished", epochs=epochs, note="set by a rerun: every epoch is in the checkpoint")
             self.training = False
@@ -248,7 +249,12 @@ class RunDirectory:
         # A run that was writing checkpoints and died before its first was complete (a kill -9
         # while the first epoch's end wrote it): its results are of epochs nothing can continue,
         # and the same command starts over, as it would have before they were written.
-        died = bool(left) and self._status().get("state") == "running" and self._status().get("checkpoints") is True
+        # Only the epoch whose end was writing that first checkpoint can have results then (a run
+        # that wrote several epochs with none checkpointed, every_steps past an epoch's end and
+        # at_epoch_end=False, keeps them, refused as any other).
+        status = self._status()
+        died = bool(left) and status.get("state") == "running" and status.get("checkpoints") is True \
+            and _epochs_in(self.path / "history.json") <= 1
         if self._strategy.num_processes > 1:  # the main process's copy decides (another host's holds none of it)
             left, died = self._strategy.gather_objects((left, died) if self._strategy.is_main else None)[0]
         if died:
@@ -263,13 +269,26 @@ class RunDirectory:
             )
 
 
+# The files a fit writes atomically into its run directory (through ``.NAME.XXXX.tmp``).
+_FIT_FILES = ("status.json", "history.json", "history.csv", "best.safetensors", "ema.safetensors", "diagnostics.json")
+
+
 def _remove_temporaries(path: Path) -> None:
-    """The half-written files of a write a kill cut short (an atomic write's ``.NAME.XXXX.tmp``):
-    this fit holds the lock, so no writer is left to finish them."""
-    for tmp in path.glob(".*.tmp"):
+    """The half-written files of a fit's write a kill cut short (an atomic write's
+    ``.NAME.XXXX.tmp``): this fit holds the lock, so no fit is left to finish them."""
+    for tmp in (t for name in _FIT_FILES for t in path.glob(f".{name}.*.tmp")):
         with contextlib.suppress(OSError):
             if tmp.is_file():
                 tmp.unlink()
+
+
+def _epochs_in(history: Path) -> int:
+    """The epochs a run's history.json holds (0 where it holds none or cannot be read)."""
+    try:
+        rows = json.loads(history.read_text())
+    except (OSError, ValueError):
+        return 0
+    return len(rows) if isinstance(rows, list) else 0
 
 
 def _no_epochs(history: Path) -> bool:

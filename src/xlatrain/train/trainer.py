@@ -100,8 +100,8 @@ class Trainer:
         metrics_fn: ``metrics_fn(outputs, targets) -> {name: value}`` on the host, over the whole
             evaluation set in dataset order (outputs/targets as the model and dataset give them,
             stacked); its keys join the history as ``val_<name>``. Before the first step it is
-            also called once on the dry run's first validation batch, to learn its names (and
-            refuse a ``monitor`` it does not return): a function with side effects sees that call.
+            also called once on the dry run's few validation rows, to learn its names (and refuse
+            a ``monitor`` it does not return): a function with side effects sees that call.
         collate_fn: makes one batch from a list of dataset items (a padding collate, mixup/cutmix
             soft targets); the dry run and the memory plan use it too. Default: stack each field.
         eval_collate_fn: makes one evaluation (and prediction) batch; default ``collate_fn``.
