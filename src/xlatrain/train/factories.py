@@ -53,7 +53,7 @@ class RunShape:
         return object.__getattribute__(self, name)
 
     def __repr__(self) -> str:  # printing or logging the run reads no length for a schedule
-        fields = ", ".join(f"{n}={object.__getattribute__(self, n)}" for n in ("total_steps", "steps_per_epoch", "epochs"))
+        fields = ", ".join(f"{f.name}={object.__getattribute__(self, f.name)}" for f in dataclasses.fields(self))
         return f"RunShape({fields})"
 
 

@@ -251,14 +251,14 @@ def _keep_saved_interval(trainer: Trainer, meta: dict[str, Any]) -> None:
     saved = ((meta.get("config") or {}).get("trainer") or {}).get("scheduler_interval")
     if trainer.config.scheduler_interval != "auto" or saved not in ("epoch", "step") or saved == trainer.schedule_interval:
         return
-    trainer._say(f"the checkpoint's schedule was stepped every {'epoch' if saved == 'epoch' else 'optimizer step'}: "
+    trainer._say(f"the checkpoint's schedule was stepped {_every(saved)}: "
                  f"this run goes on so (scheduler_interval='auto' would have chosen '{trainer.schedule_interval}' for a "
                  f"new run; set scheduler_interval to choose)")
     trainer.schedule_interval = saved
     trainer._config_record["trainer"]["scheduler_interval"] = saved
     if trainer._schedule_note:
-        trainer._schedule_note = f"schedule: {type(trainer.scheduler).__name__} stepped every " \
-                                 f"{'epoch' if saved == 'epoch' else 'optimizer step'}, as the checkpoint's run was"
+        trainer._schedule_note = f"schedule: {type(trainer.scheduler).__name__} stepped {_every(saved)}, as the " \
+                                 "checkpoint's run was"
 
 
 def _settle_interval(trainer: Trainer) -> None:
@@ -280,10 +280,9 @@ def _settle_interval(trainer: Trainer) -> None:
                if scheduler is not trainer._built_scheduler else
                "scheduler_fn read no count of optimizer steps from the run" if trainer._scheduler_wants_run else
                "scheduler_fn takes only the optimizer")
-        how = f"every {'optimizer step' if chosen == 'step' else 'epoch'} (scheduler_interval='auto': {why}; " \
-              f"set scheduler_interval to choose)"
+        how = f"{_every(chosen)} (scheduler_interval='auto': {why}; set scheduler_interval to choose)"
     else:
-        how = f"every {'optimizer step' if chosen == 'step' else 'epoch'} (scheduler_interval={chosen!r})"
+        how = f"{_every(chosen)} (scheduler_interval={chosen!r})"
     if plateau:
         if chosen == "step":
             raise ValueError(
@@ -300,6 +299,10 @@ def _settle_interval(trainer: Trainer) -> None:
     trainer.schedule_interval = chosen
     trainer._config_record["trainer"]["scheduler_interval"] = chosen
     trainer._schedule_note = f"schedule: {type(scheduler).__name__} stepped {how}" if scheduler is not None else None
+
+
+def _every(interval: str) -> str:
+    return "every optimizer step" if interval == "step" else "every epoch"
 
 
 def _global_batch_hint(trainer: Trainer, old: dict[str, Any]) -> str:

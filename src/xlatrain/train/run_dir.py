@@ -183,15 +183,13 @@ class RunDirectory:
                 self._say(f"{why}: removed the earlier run's {', '.join(removed)} from {self.path}")
         self._strategy.barrier()
 
-    def settle_finished(self, epochs: int) -> None:
+    def settle_finished(self) -> None:
         """A rerun of a run whose every epoch is checkpointed: a ``running`` status.json left by a
         kill after the last checkpoint (in ``on_fit_end``, say), or a ``failed`` one naming that
-        checkpoint (a failure after it), is ``finished``, or a requeue on it would run it again for
-        ever. Its writer is gone: this fit holds the lock."""
-        if self._strategy.is_main and self._status().get("state") in ("running", "failed"):
-            self.training = True
-            self.write_status("finished", epochs=epochs, note="set by a rerun: every epoch is in the checkpoint")
-            self.training = False
+        checkpoint (a failure after it), is this fit's to end as ``finished``, or a requeue on it
+        would run it again for ever. Its writer is gone: this fit holds the lock."""
+        if self._status().get("state") in ("running", "failed"):
+            self.training = True  # the fit's end writes "finished", as after training
 
     def _status(self) -> dict[str, Any]:
         try:
@@ -245,7 +243,7 @@ class RunDirectory:
                 + ways
             )
         left = [name for name in ("history.json", "best.safetensors") if (self.path / name).exists()
-                and not (name == "history.json" and _no_epochs(self.path / name))]
+                and not (name == "history.json" and _epochs_in(self.path / name) == 0)]
         # A run that was writing checkpoints and died before its first was complete (a kill -9
         # while the first epoch's end wrote it): its results are of epochs nothing can continue,
         # and the same command starts over, as it would have before they were written.
@@ -254,7 +252,7 @@ class RunDirectory:
         # at_epoch_end=False, keeps them, refused as any other).
         status = self._status()
         died = bool(left) and status.get("state") == "running" and status.get("checkpoints") is True \
-            and _epochs_in(self.path / "history.json") <= 1
+            and (_epochs_in(self.path / "history.json") or 0) <= 1
         if self._strategy.num_processes > 1:  # the main process's copy decides (another host's holds none of it)
             left, died = self._strategy.gather_objects((left, died) if self._strategy.is_main else None)[0]
         if died:
@@ -282,21 +280,14 @@ def _remove_temporaries(path: Path) -> None:
                 tmp.unlink()
 
 
-def _epochs_in(history: Path) -> int:
-    """The epochs a run's history.json holds (0 where it holds none or cannot be read)."""
+def _epochs_in(history: Path) -> int | None:
+    """The epochs a run's history.json holds (0: none, a run stopped in its first with checkpoints
+    off, so no results); ``None`` where it cannot be read as a list of rows."""
     try:
         rows = json.loads(history.read_text())
     except (OSError, ValueError):
-        return 0
-    return len(rows) if isinstance(rows, list) else 0
-
-
-def _no_epochs(history: Path) -> bool:
-    """A history that holds no epoch (a run stopped in its first, with checkpoints off): no results."""
-    try:
-        return json.loads(history.read_text()) == []
-    except (OSError, ValueError):
-        return False
+        return None
+    return len(rows) if isinstance(rows, list) else None
 
 
 def make_run_dir(path: Path) -> None:

@@ -363,7 +363,7 @@ class Trainer:
         feed, cursor, sums = self._start(train_data, val_data, resume)
         first_epoch, start_step = cursor.next_position()
         if first_epoch > cfg.epochs or self._patience_spent(cursor):
-            self._dir.settle_finished(len(self.history))
+            self._dir.settle_finished()
             return self.history  # a finished run: every file stays as it is (but a stale "running")
         every, accum = self.checkpoint.every_steps if self.checkpoint.enabled else None, cfg.grad_accum_steps
         self._dir.write_status("running", epoch=first_epoch, step=start_step, checkpoints=self.checkpoint.enabled)
